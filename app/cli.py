@@ -1,0 +1,93 @@
+"""`etrain`: the command line. Usage errors exit 2 with a message that says what to fix."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from app.config import Config, ConfigError, load_config
+from app.job import new_run_dir, train
+from pipelines.shards import ShardError
+
+# Keys a resume may change: how and where it runs, and how long; never what is trained.
+RESUMABLE = ("train.steps", "train.eval_every", "train.eval_samples", "checkpoint.", "cluster.", "timeouts.", "run.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    started_at = time.time()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args, started_at)
+    except (ConfigError, ShardError) as e:
+        print(f"etrain: error: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_train(args, started_at: float) -> int:
+    from actors.coordinator import JobError
+
+    if args.resume and args.config:
+        raise ConfigError("--resume takes the run's own config.yaml; drop --config (use --set for resumable keys)")
+    if args.resume:
+        run_dir = Path(args.resume)
+        cfg = _resume_config(run_dir, args.set)
+    else:
+        cfg = load_config(args.config, args.set)
+        run_dir = new_run_dir(cfg)
+    print(f"run directory: {run_dir}", file=sys.stderr)
+    try:
+        summary = train(cfg, run_dir, resume=bool(args.resume), started_at=started_at, progress=not args.no_progress)
+    except JobError as e:
+        print(f"etrain: training failed: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=1))
+    print(f"metrics: {run_dir / 'metrics.jsonl'}\nsummary: {run_dir / 'summary.json'}", file=sys.stderr)
+    return 0
+
+
+def cmd_config(args, started_at: float) -> int:
+    print(load_config(args.config, args.set).to_yaml(), end="")
+    return 0
+
+
+def _resume_config(run_dir: Path, overrides: list[str]) -> Config:
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give the directory `etrain train` printed")
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if not key.startswith(RESUMABLE) and key not in RESUMABLE:
+            raise ConfigError(f"--set {key} cannot change on resume (it changes what is trained); resumable: {', '.join(RESUMABLE)}")
+    cfg = load_config(str(saved), overrides)
+    if overrides:
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    return cfg
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="etrain", description="Elastic transformer training on Ray.")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    def with_config(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", "-c", help="preset name in configs/ (tiny, small, ...) or a YAML file")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. train.steps=100")
+
+    p = sub.add_parser("train", help="train a model (a new run, or --resume RUN_DIR)")
+    with_config(p)
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest committed checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("config", help="print the resolved config")
+    with_config(p)
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

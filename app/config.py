@@ -1,0 +1,240 @@
+"""One typed config tree, from YAML preset + `--set` overrides to every worker.
+
+Each component owns its section; `Config` composes them. The resolved tree is
+saved as `config.yaml` in the run directory and travels inside checkpoints, so a
+run can always be reproduced or resumed from what it wrote.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config the user gave is wrong; the message says what and how to fix it."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(Section):
+    n_layer: int = Field(2, ge=1, description="transformer blocks")
+    n_head: int = Field(4, ge=1, description="attention heads per block")
+    d_model: int = Field(128, ge=8, description="residual width; must divide by n_head")
+    seq_len: int = Field(128, ge=8, description="tokens per training sequence")
+    vocab_size: int = Field(256, ge=2, description="256 for the byte-level tokenizer")
+    positions: Literal["rotary", "learned"] = "rotary"
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    tie_weights: bool = Field(True, description="share input embedding and output head")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.d_model={self.d_model} must be a multiple of model.n_head={self.n_head}")
+        if self.positions == "rotary" and (self.d_model // self.n_head) % 2:
+            raise ValueError("rotary positions need an even head width (d_model / n_head)")
+        return self
+
+
+class DataConfig(Section):
+    source: str = Field("embedded", description="'embedded' (stdlib corpus) or a manifest.json path/URI")
+    cache_dir: str = Field("~/.cache/etrain/data", description="where the embedded corpus is built (path or URI)")
+    corpus_bytes: int = Field(6_000_000, ge=10_000, description="cap on the embedded corpus' raw text")
+    eval_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="documents held out for evaluation")
+    shard_bytes: int = Field(128 * 2**20, ge=4096, description="target physical shard size")
+    cache_shards: int = Field(3, ge=1, description="decoded shards a worker keeps in memory")
+
+
+class TrainConfig(Section):
+    steps: int = Field(200, ge=1, description="optimizer steps in the whole run")
+    global_batch: int = Field(16, ge=1, description="samples per optimizer step, whatever the world size")
+    micro_batch: int = Field(8, ge=1, description="samples per forward/backward; more are accumulated")
+    seed: int = 0
+    eval_every: int = Field(50, ge=0, description="steps between evaluations; 0 = only at the end")
+    eval_samples: int = Field(64, ge=1, description="held-out sequences per evaluation")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="bf16 autocast (CPU or GPU); fp16 + GradScaler (GPU)")
+
+
+class OptimConfig(Section):
+    lr: float = Field(3e-3, gt=0)
+    min_lr: float = Field(3e-4, ge=0)
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
+
+
+class CheckpointConfig(Section):
+    every: int = Field(50, ge=0, description="steps between checkpoints; 0 = only at the end")
+    uri: str | None = Field(None, description="directory or URI; default RUN_DIR/checkpoints")
+    keep: int = Field(3, ge=1, description="committed checkpoints kept")
+
+
+class ClusterConfig(Section):
+    num_workers: int = Field(2, ge=1)
+    cpus_per_worker: int = Field(1, ge=1, description="also torch's thread count per worker")
+    gpus_per_worker: float = Field(0, ge=0, description="> 0 trains on CUDA with NCCL")
+    address: str | None = Field(None, description="Ray address; default RAY_ADDRESS or a new local instance")
+
+
+class TimeoutConfig(Section):
+    """Nested deadlines, innermost first, so a dead peer surfaces as an error, never a hang.
+
+    | key           | bounds                                             | default |
+    |---------------|----------------------------------------------------|---------|
+    | collective_s  | one all-reduce / barrier (torch process group)     | 60      |
+    | step_s        | one whole step on every worker (includes collectives) | 180  |
+    | join_s        | workers started, group formed, state loaded        | 300     |
+    """
+
+    collective_s: float = Field(60, gt=0)
+    step_s: float = Field(180, gt=0)
+    join_s: float = Field(300, gt=0)
+
+    @model_validator(mode="after")
+    def _nested(self) -> TimeoutConfig:
+        if not self.collective_s < self.step_s < self.join_s:
+            raise ValueError(
+                "timeouts must nest: collective_s < step_s < join_s, got "
+                f"{self.collective_s} / {self.step_s} / {self.join_s}"
+            )
+        return self
+
+
+class RunConfig(Section):
+    root: str = Field("runs", description="parent directory of run directories")
+    name: str | None = Field(None, description="run directory name; default a timestamp")
+
+
+class Config(Section):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    timeouts: TimeoutConfig = TimeoutConfig()
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> Config:
+        if self.train.precision == "fp16" and self.cluster.gpus_per_worker == 0:
+            raise ValueError("train.precision=fp16 needs a GPU (cluster.gpus_per_worker > 0); use bf16 on CPU")
+        if self.train.global_batch < self.cluster.num_workers:
+            raise ValueError(
+                f"train.global_batch={self.train.global_batch} is smaller than "
+                f"cluster.num_workers={self.cluster.num_workers}: every worker needs a sample"
+            )
+        return self
+
+    def hash(self) -> str:
+        """Identity of what is trained, ignoring where and how it runs."""
+        body = self.model_dump(exclude={"run", "cluster", "timeouts", "checkpoint"})
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(), sort_keys=False)
+
+
+def load_config(config: str | None = None, overrides: list[str] = ()) -> Config:
+    """Preset name or YAML file, then `a.b=value` overrides, then validation."""
+    raw = _read_yaml(resolve_preset(config)) if config else {}
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_path(raw, key, value)
+    return validate(raw)
+
+
+def resolve_preset(config: str) -> Path:
+    path = Path(config)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file {config!r} does not exist")
+        return path
+    preset = PRESET_DIR / f"{config}.yaml"
+    if preset.is_file():
+        return preset
+    names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    raise ConfigError(f"no config file or preset named {config!r}{_did_you_mean(config, names)}; presets: {', '.join(names)}")
+
+
+def validate(raw: dict[str, Any]) -> Config:
+    _check_keys(raw, Config, "")
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, train:, ...)")
+    return data
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.steps=100)")
+    try:
+        value = yaml.safe_load(text) if text else None
+    except yaml.YAMLError:
+        value = text
+    return key.strip(), value
+
+
+def _set_path(raw: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = raw
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key!r}: {'.'.join(parents[: i + 1])} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def _check_keys(raw: Any, model: type[BaseModel], prefix: str) -> None:
+    """Unknown keys anywhere in the tree, with a did-you-mean."""
+    if not isinstance(raw, dict):
+        return
+    fields = model.model_fields
+    for key, value in raw.items():
+        where = f"{prefix}{key}"
+        if key not in fields:
+            known = list(fields)
+            raise ConfigError(f"unknown config key {where!r}{_did_you_mean(str(key), known, prefix)}; allowed here: {', '.join(known)}")
+        sub = fields[key].annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key {where!r} is a section; give its keys ({', '.join(sub.model_fields)})")
+            _check_keys(value, sub, f"{where}.")
+
+
+def _format_errors(error: ValidationError) -> str:
+    lines = []
+    for err in error.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "config"
+        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+        lines.append(f"config key {key!r}: {err['msg']}{got}")
+    return "\n".join(lines)
+
+
+def _did_you_mean(word: str, choices: list[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {prefix + close[0]!r}?)" if close else ""

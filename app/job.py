@@ -1,0 +1,91 @@
+"""The training job, driver side: data, run directory, Ray, coordinator, progress.
+
+Under `ray job submit` or with RAY_ADDRESS set it joins that cluster; otherwise
+it starts a local Ray instance (token authentication on, Ray's default).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from tqdm import tqdm
+
+from actors.coordinator import Coordinator
+from app.config import Config, ConfigError
+from pipelines.embedded import ensure_corpus
+from pipelines.shards import read_manifest
+
+
+def new_run_dir(cfg: Config) -> Path:
+    name = cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.run.root).expanduser() / name
+    if run_dir.exists():
+        raise ConfigError(f"run directory {run_dir} already exists; pick another run.name, or continue it with --resume {run_dir}")
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    return run_dir
+
+
+def resolve_data(cfg: Config) -> str:
+    """Manifest URI to train on, building the embedded corpus when none is given."""
+    if cfg.data.source == "embedded":
+        return ensure_corpus(cfg)
+    manifest = read_manifest(cfg.data.source)
+    if manifest["seq_len"] != cfg.model.seq_len:
+        raise ConfigError(f"data {cfg.data.source} is packed at seq_len {manifest['seq_len']}, but model.seq_len={cfg.model.seq_len}; set model.seq_len={manifest['seq_len']}")
+    if manifest["vocab_size"] > cfg.model.vocab_size:
+        raise ConfigError(f"data {cfg.data.source} uses {manifest['vocab_size']} token ids, but model.vocab_size={cfg.model.vocab_size}")
+    return cfg.data.source
+
+
+def connect(cfg: Config) -> None:
+    if not ray.is_initialized():
+        ray.init(address=cfg.cluster.address or os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
+
+
+def train(cfg: Config, run_dir: Path, resume: bool = False, started_at: float | None = None, progress: bool = True) -> dict:
+    started_at = started_at or time.time()
+    # The worker module brings torch (~3 s to import): load it while Ray starts.
+    with ThreadPoolExecutor(1) as pool:
+        worker_module = pool.submit(importlib.import_module, "actors.worker")
+        manifest = resolve_data(cfg)
+        connect(cfg)
+        workers = worker_module.result().spawn(cfg, manifest, cfg.cluster.num_workers)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=4, scheduling_strategy=here)
+    coordinator = coordinator.remote(cfg.model_dump(), str(run_dir), manifest, started_at, workers)
+    try:
+        done = coordinator.run.remote(resume)
+        _follow(coordinator, done, cfg, progress)
+        return ray.get(done)
+    finally:
+        ray.kill(coordinator)
+        for w in workers:
+            ray.kill(w)
+
+
+def _follow(coordinator, done, cfg: Config, progress: bool) -> None:
+    bar = tqdm(total=cfg.train.steps, unit="step", desc="starting", disable=not progress, dynamic_ncols=True)
+    with bar:
+        while True:
+            finished, _ = ray.wait([done], timeout=0.5)
+            phase, events = ray.get(coordinator.poll.remote())
+            bar.set_description(phase)
+            for e in events:
+                if e["kind"] == "resume":
+                    bar.n = e["step"]
+                elif e["kind"] == "train":
+                    bar.update(e["step"] - bar.n)
+                    bar.set_postfix(loss=f"{e['loss']:.3f}", tok_s=f"{e['tokens_per_s']:.0f}", world=e["world_size"])
+                elif e["kind"] == "eval":
+                    bar.write(f"step {e['step']}: eval loss {e['eval_loss']:.4f}")
+            if finished:
+                return

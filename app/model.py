@@ -1,0 +1,103 @@
+"""GPT-style decoder-only transformer (pre-norm, rotary or learned positions, tied head)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.config import ModelConfig
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding; tables are buffers, rebuilt rather than checkpointed."""
+
+    def __init__(self, head_dim: int, seq_len: int, base: float = 10_000.0):
+        super().__init__()
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        angles = torch.outer(torch.arange(seq_len).float(), inv_freq)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, H, T, D)
+        t = x.shape[-2]
+        cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.rotary = Rotary(cfg.d_model // cfg.n_head, cfg.seq_len) if cfg.positions == "rotary" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        drop = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False),
+            nn.GELU(),
+            nn.Linear(4 * cfg.d_model, cfg.d_model, bias=False),
+            nn.Dropout(cfg.dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.positions == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.head.weight = self.embed.weight
+        self.apply(self._init)
+        # GPT-2's scaled init of residual projections keeps the residual stream's variance flat in depth.
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.embed(idx)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        x = self.drop(x)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,30 @@
+"""Run summary from the run directory's metrics: what `summary.json` and `etrain report` show."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from app.config import Config
+from app.metrics import read_jsonl
+
+
+def summarize(metrics_path: Path, cfg: Config, started_at: float, first_step_at: float | None) -> dict:
+    records = read_jsonl(metrics_path)
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    steady = train[1:] or train  # the first step pays for warm-up (allocations, gloo buffers)
+    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+    return {
+        "steps": train[-1]["step"] if train else 0,
+        "samples": train[-1]["samples"] if train else 0,
+        "tokens": (train[-1]["step"] if train else 0) * tokens_per_step,
+        "first_loss": train[0]["loss"] if train else None,
+        "final_loss": train[-1]["loss"] if train else None,
+        "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "tokens_per_s": tokens_per_step * len(steady) / sum(r["step_time_s"] for r in steady) if steady else None,
+        "wall_s": time.time() - started_at,
+        "startup_s": first_step_at - started_at if first_step_at else None,
+        "world_size": train[-1]["world_size"] if train else cfg.cluster.num_workers,
+        "config_hash": cfg.hash(),
+    }

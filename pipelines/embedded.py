@@ -1,0 +1,90 @@
+"""The embedded default corpus: the running Python's standard-library sources.
+
+Real text that every machine has, so `etrain train` works with no data given.
+Built once per (Python version, data and sequence settings) into
+`data.cache_dir`, then reused; a build goes to a temporary name and is renamed
+into place, so a crash never leaves a half-written corpus that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import sysconfig
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from app.config import Config
+from pipelines import tokenizer
+from pipelines.shards import SplitWriter, write_manifest
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
+
+
+def ensure_corpus(cfg: Config) -> str:
+    """Path of the corpus' manifest.json, building the corpus if it is not there yet."""
+    params = {
+        "python": sys.version.split()[0],
+        "corpus_bytes": cfg.data.corpus_bytes,
+        "eval_fraction": cfg.data.eval_fraction,
+        "shard_bytes": cfg.data.shard_bytes,
+        "seq_len": cfg.model.seq_len,
+        "tokenizer": "bytes",
+    }
+    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+    out = Path(cfg.data.cache_dir).expanduser() / f"embedded-{key}"
+    if not (out / "manifest.json").is_file():
+        tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp.mkdir(parents=True)
+        try:
+            build(tmp, params)
+            tmp.rename(out)
+        except OSError:
+            if not (out / "manifest.json").is_file():  # not a lost race with another builder
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out / "manifest.json")
+
+
+def build(out: Path, params: dict) -> dict:
+    row_len = params["seq_len"] + 1
+    writers = {s: SplitWriter(str(out), s, row_len, "uint8", params["shard_bytes"]) for s in ("train", "eval")}
+    streams: dict[str, list[np.ndarray]] = {"train": [], "eval": []}
+    docs = {"train": 0, "eval": 0}
+    total = 0
+    for path in stdlib_files():
+        if total >= params["corpus_bytes"]:
+            break
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue  # a few stdlib test files are deliberately not UTF-8
+        split = "eval" if _held_out(path.name, params["eval_fraction"]) else "train"
+        tokens = tokenizer.encode(text)
+        streams[split] += [tokens, np.array([tokenizer.EOT], dtype=np.uint8)]
+        docs[split] += 1
+        total += len(tokens)
+    for split, parts in streams.items():
+        stream = np.concatenate(parts)
+        n = len(stream) // row_len
+        writers[split].add(stream[: n * row_len].reshape(n, row_len))
+        writers[split].flush()
+    source = {"kind": "embedded-stdlib", "documents": docs, "raw_bytes": total, **params}
+    return write_manifest(
+        str(out), seq_len=params["seq_len"], dtype="uint8", vocab_size=tokenizer.VOCAB_SIZE,
+        tokenizer="bytes", splits={s: w.shards for s, w in writers.items()}, source=source,
+    )
+
+
+def _held_out(name: str, fraction: float) -> bool:
+    """Split by file name hash: stable across machines and corpus sizes."""
+    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) / 2**32 < fraction

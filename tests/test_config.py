@@ -1,0 +1,73 @@
+import pytest
+
+from app.cli import main
+from app.config import PRESET_DIR, ConfigError, load_config
+
+
+def test_presets_all_validate():
+    names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    assert {"tiny", "small", "gpu-1b"} <= set(names)
+    for name in names:
+        cfg = load_config(name)
+        assert cfg.timeouts.collective_s < cfg.timeouts.step_s < cfg.timeouts.join_s
+
+
+def test_override_sets_typed_value():
+    cfg = load_config("tiny", ["train.steps=7", "optim.lr=1e-4", "model.positions=learned"])
+    assert (cfg.train.steps, cfg.optim.lr, cfg.model.positions) == (7, 1e-4, "learned")
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.stepz=3", "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
+        ("trian.steps=3", "unknown config key 'trian' (did you mean 'train'?)"),
+        ("train.steps=abc", "config key 'train.steps': Input should be a valid integer"),
+        ("train.steps=0", "config key 'train.steps': Input should be greater than or equal to 1"),
+        ("model.positions=alibi", "config key 'model.positions'"),
+        ("model.d_model=130", "must be a multiple of model.n_head"),
+        ("timeouts.step_s=30", "timeouts must nest: collective_s < step_s < join_s"),
+        ("train.precision=fp16", "fp16 needs a GPU"),
+        ("train", "must look like section.key=value"),
+        ("train=3", "is a section"),
+    ],
+)
+def test_bad_override_names_key_and_problem(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", [override])
+    assert expected in str(err.value)
+
+
+def test_bad_value_error_shows_the_value():
+    with pytest.raises(ConfigError, match="got 'alibi'"):
+        load_config("tiny", ["model.positions=alibi"])
+
+
+def test_unknown_preset_suggests_name():
+    with pytest.raises(ConfigError, match="did you mean 'tiny'"):
+        load_config("tny")
+
+
+def test_yaml_file_with_unknown_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  n_layers: 3\n")
+    with pytest.raises(ConfigError, match="did you mean 'model.n_layer'"):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize("argv", [["config", "-c", "tiny", "--set", "train.stepz=1"], ["config", "-c", "nope.yaml"], ["train", "--resume", "/nonexistent/run"]])
+def test_cli_usage_errors_exit_2(argv, capsys):
+    assert main(argv) == 2
+    assert "etrain: error:" in capsys.readouterr().err
+
+
+def test_cli_unknown_flag_exits_2():
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--bogus"])
+    assert e.value.code == 2
+
+
+def test_config_hash_ignores_where_it_runs():
+    a = load_config("tiny")
+    assert a.hash() == load_config("tiny", ["cluster.num_workers=1", "run.root=/elsewhere"]).hash()
+    assert a.hash() != load_config("tiny", ["optim.lr=1e-4"]).hash()

@@ -1,0 +1,53 @@
+import pytest
+import torch
+
+from app.config import load_config
+from app.model import GPT
+
+
+@pytest.mark.parametrize("positions", ["rotary", "learned"])
+def test_shapes_and_loss(positions):
+    cfg = load_config("tiny", [f"model.positions={positions}"]).model
+    model = GPT(cfg)
+    idx, targets = torch.randint(0, cfg.vocab_size, (2, 3, cfg.seq_len))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (3, cfg.seq_len, cfg.vocab_size)
+    # Untrained, the prediction is near uniform over the byte vocabulary.
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.3
+
+
+def test_weight_tying_shares_one_tensor():
+    cfg = load_config("tiny").model
+    tied = GPT(cfg)
+    assert tied.head.weight is tied.embed.weight
+    untied = GPT(cfg.model_copy(update={"tie_weights": False}))
+    assert untied.num_params() == tied.num_params() + cfg.vocab_size * cfg.d_model
+
+
+@pytest.mark.parametrize("positions", ["rotary", "learned"])
+def test_causal_future_tokens_do_not_change_the_past(positions):
+    cfg = load_config("tiny", [f"model.positions={positions}"]).model
+    model = GPT(cfg).eval()
+    idx = torch.randint(0, 256, (1, 32))
+    changed = idx.clone()
+    changed[0, 20:] = (changed[0, 20:] + 1) % 256
+    a, _ = model(idx)
+    b, _ = model(changed)
+    assert torch.allclose(a[0, :20], b[0, :20], atol=1e-6)
+    assert not torch.allclose(a[0, 20:], b[0, 20:])
+
+
+def test_rotary_makes_order_matter():
+    cfg = load_config("tiny").model
+    model = GPT(cfg).eval()
+    idx = torch.tensor([[1, 2, 3, 4]])
+    a, _ = model(idx)
+    b, _ = model(idx.flip(1))
+    assert not torch.allclose(a[0, -1], b[0, -1])
+
+
+def test_gpu_1b_preset_has_about_a_billion_parameters():
+    cfg = load_config("gpu-1b").model
+    with torch.device("meta"):
+        n = GPT(cfg).num_params()
+    assert 1.0e9 < n < 1.5e9
