@@ -1,0 +1,28 @@
+# Two commands do all the set-up: `make demo` and `make test`.
+# Each creates .venv and installs the project when it is absent or stale.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch on this machine's disk; a bare `torch` pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)  ## train the tiny GPT on the embedded corpus with 2 workers on a local Ray
+	$(VENV)/bin/etrain train --config tiny
+
+test: $(STAMP)  ## the whole test suite on one shared local Ray instance
+	$(PY) -m pytest
+
+bench: $(STAMP)  ## throughput vs plain torch and Ray Train, written to bench/results/
+	$(PY) bench/throughput.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,217 @@
+"""Throughput and start-up, side by side: plain torch vs Ray Train's TorchTrainer vs ours.
+
+Every variant trains the same GPT on the same samples (the global order of
+pipelines.order, read from the same shards) with the same global batch, one
+variant at a time, each in its own fresh process so start-up is measured from
+the process launch. Prints a table and writes bench/results/throughput.json.
+
+    python bench/throughput.py [--steps 60] [--layers 4] [--width 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+WARMUP = 5  # steps excluded from tokens/s (allocator, gloo buffers, first-touch)
+
+
+def overrides(args, workers: int, cpus: int) -> list[str]:
+    return [
+        f"model.n_layer={args.layers}", f"model.d_model={args.width}", "model.n_head=4", f"model.seq_len={args.seq}",
+        f"train.steps={args.steps}", f"train.global_batch={args.batch}", f"train.micro_batch={args.batch}",
+        "train.eval_every=0", "checkpoint.every=0", f"cluster.num_workers={workers}", f"cluster.cpus_per_worker={cpus}",
+        f"data.cache_dir={args.data}",
+    ]
+
+
+def steady_tokens_per_s(times: list[float], tokens_per_step: int) -> float:
+    return tokens_per_step * (len(times) - 1 - WARMUP) / (times[-1] - times[WARMUP])
+
+
+# -- the variants, each run as `python throughput.py --variant NAME` -----------
+
+
+def run_plain(args) -> list[float]:
+    import numpy as np
+    import torch
+
+    from app.config import load_config
+    from app.model import GPT
+    from app.optim import make_optimizer, make_scheduler
+    from pipelines import order
+    from pipelines.embedded import ensure_corpus
+    from pipelines.shards import ShardReader
+
+    cfg = load_config("tiny", overrides(args, 1, args.cpus))
+    torch.set_num_threads(args.cpus)
+    reader = ShardReader(ensure_corpus(cfg), "train")
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model)
+    optimizer = make_optimizer(model, cfg.optim)
+    scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    times = []
+    for step in range(cfg.train.steps):
+        ids = order.take(cfg.train.seed, len(reader), step * cfg.train.global_batch, cfg.train.global_batch)
+        rows = torch.from_numpy(reader.get(ids).astype(np.int64))
+        optimizer.zero_grad(set_to_none=True)
+        _, loss = model(rows[:, :-1], rows[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        times.append(time.time())
+    return times
+
+
+def ray_train_loop(config: dict) -> None:
+    import numpy as np
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    from app.config import Config
+    from app.model import GPT
+    from app.optim import make_optimizer, make_scheduler
+    from pipelines import order
+    from pipelines.shards import ShardReader
+
+    cfg = Config.model_validate(config["cfg"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(cfg.cluster.cpus_per_worker)
+    reader = ShardReader(config["manifest"], "train")
+    torch.manual_seed(cfg.train.seed)
+    model = ray.train.torch.prepare_model(GPT(cfg.model))
+    optimizer = make_optimizer(model, cfg.optim)
+    scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    times = []
+    for step in range(cfg.train.steps):
+        ids = order.take(cfg.train.seed, len(reader), step * cfg.train.global_batch, cfg.train.global_batch)
+        mine = torch.from_numpy(reader.get(order.split(ids, [1.0] * world)[rank]).astype(np.int64))
+        optimizer.zero_grad(set_to_none=True)
+        _, loss = model(mine[:, :-1], mine[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        times.append(time.time())
+    ray.train.report({"times": times})
+
+
+def run_ray_train(args) -> list[float]:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from app.config import load_config
+    from pipelines.embedded import ensure_corpus
+
+    cfg = load_config("tiny", overrides(args, args.workers, args.cpus))
+    manifest = ensure_corpus(cfg)
+    ray.init(num_cpus=args.workers * args.cpus, include_dashboard=False, logging_level="warning")
+    trainer = TorchTrainer(
+        ray_train_loop,
+        train_loop_config={"cfg": cfg.model_dump(), "manifest": manifest},
+        scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False, resources_per_worker={"CPU": args.cpus}),
+        run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="raytrain-"), name="bench"),
+    )
+    return trainer.fit().metrics["times"]
+
+
+def run_ours(args) -> list[float]:
+    from app.config import load_config
+    from app.job import new_run_dir, train
+    from app.metrics import read_jsonl
+
+    cfg = load_config("tiny", [*overrides(args, args.workers, args.cpus), f"run.root={tempfile.mkdtemp(prefix='ours-')}"])
+    run_dir = new_run_dir(cfg)
+    train(cfg, run_dir, progress=False)
+    return [r["time"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+VARIANTS = {"plain": run_plain, "raytrain": run_ray_train, "ours": run_ours}
+
+
+# -- the driver -----------------------------------------------------------------
+
+
+def measure(args, variant: str, workers: int, cpus: int) -> dict:
+    cmd = [sys.executable, __file__, "--variant", variant, "--workers", str(workers), "--cpus", str(cpus), *forward(args)]
+    launched = time.time()
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if out.returncode:
+        raise SystemExit(f"{variant} failed:\n{out.stderr[-3000:]}")
+    times = json.loads(out.stdout.strip().splitlines()[-1])
+    tokens_per_step = args.batch * args.seq
+    return {
+        "variant": variant, "workers": workers, "cpus_per_worker": cpus,
+        "tokens_per_s": steady_tokens_per_s(times, tokens_per_step),
+        "first_step_s": times[0] - launched,
+        "wall_s": time.time() - launched,
+    }
+
+
+def forward(args) -> list[str]:
+    return ["--steps", str(args.steps), "--layers", str(args.layers), "--width", str(args.width),
+            "--seq", str(args.seq), "--batch", str(args.batch), "--data", args.data]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "etrain-bench-data"))
+    p.add_argument("--variant", choices=VARIANTS)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--cpus", type=int, default=2)
+    args = p.parse_args()
+    if args.variant:
+        print(json.dumps(VARIANTS[args.variant](args)))
+        return
+    plan = [("plain", 1, 2), ("raytrain", 1, 2), ("ours", 1, 2), ("raytrain", 2, 1), ("ours", 2, 1)]
+    rows = []
+    for variant, workers, cpus in plan:
+        rows.append(measure(args, variant, workers, cpus))
+        r = rows[-1]
+        print(f"{variant:9s} workers={workers} {r['tokens_per_s']:9.0f} tok/s   first step {r['first_step_s']:5.1f} s", flush=True)
+    report(rows, args)
+
+
+def report(rows: list[dict], args) -> None:
+    get = {(r["variant"], r["workers"]): r for r in rows}
+    ratios = {
+        "ours_vs_raytrain_tokens_per_s_2w": get["ours", 2]["tokens_per_s"] / get["raytrain", 2]["tokens_per_s"],
+        "ours_vs_raytrain_tokens_per_s_1w": get["ours", 1]["tokens_per_s"] / get["raytrain", 1]["tokens_per_s"],
+        "ours_1w_vs_plain_tokens_per_s": get["ours", 1]["tokens_per_s"] / get["plain", 1]["tokens_per_s"],
+        "ours_vs_raytrain_first_step_2w": get["ours", 2]["first_step_s"] / get["raytrain", 2]["first_step_s"],
+    }
+    targets = {
+        "ours_vs_raytrain_tokens_per_s_2w": (">=", 1.0),
+        "ours_1w_vs_plain_tokens_per_s": (">=", 0.9),
+        "ours_vs_raytrain_first_step_2w": ("<=", 0.5),
+    }
+    print(f"\n{'ratio':40s} {'value':>7s}  target")
+    for name, value in ratios.items():
+        op, goal = targets.get(name, ("", None))
+        ok = "" if goal is None else ("met" if (value >= goal if op == ">=" else value <= goal) else "MISSED")
+        print(f"{name:40s} {value:7.2f}  {op} {goal if goal is not None else ''} {ok}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / "throughput.json"
+    out.write_text(json.dumps({"args": vars(args), "rows": rows, "ratios": ratios, "when": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
+    print(f"\nwritten: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipelines import tokenizer
+from pipelines.embedded import ensure_corpus, stdlib_files
+from pipelines.shards import ShardError, ShardReader, read_manifest
+
+
+@pytest.fixture
+def corpus(make_cfg) -> str:
+    return ensure_corpus(make_cfg())
+
+
+def test_manifest_describes_every_shard(corpus):
+    manifest = read_manifest(corpus)
+    assert (manifest["token_dtype"], manifest["seq_len"], manifest["vocab_size"]) == ("uint8", 128, 256)
+    train = manifest["splits"]["train"]
+    assert len(train["shards"]) >= 3, "small shard_bytes must give several shards"
+    assert train["samples"] == sum(s["samples"] for s in train["shards"])
+    root = Path(corpus).parent
+    for shard in train["shards"] + manifest["splits"]["eval"]["shards"]:
+        assert (root / shard["path"]).stat().st_size == shard["bytes"]
+        assert shard["bytes"] <= 200_000 * 1.1  # target size, plus Parquet's footer
+
+
+def test_rows_are_the_packed_token_stream(corpus):
+    reader = ShardReader(corpus, "train")
+    rows = reader.get(np.arange(len(reader)))
+    assert rows.shape == (len(reader), 129) and rows.dtype == np.uint8
+    text = tokenizer.decode(rows[:4].reshape(-1))
+    first = stdlib_files()[0].read_text()
+    assert text[:200] in first or first[:200] in text  # the first document, byte for byte
+
+
+def test_random_access_matches_sequential(corpus):
+    reader = ShardReader(corpus, "train", cache_shards=1)
+    everything = reader.get(np.arange(len(reader)))
+    ids = np.random.default_rng(0).integers(0, len(reader), 300)
+    assert np.array_equal(reader.get(ids), everything[ids])
+
+
+def test_rebuild_is_identical(make_cfg, tmp_path, corpus):
+    again = ensure_corpus(make_cfg(f"data.cache_dir={tmp_path / 'again'}"))
+    assert json.loads(Path(again).read_text())["splits"] == json.loads(Path(corpus).read_text())["splits"]
+
+
+def test_eval_split_is_disjoint_documents(corpus):
+    source = read_manifest(corpus)["source"]
+    assert source["documents"]["eval"] > 0 and source["documents"]["train"] > 10 * source["documents"]["eval"]
+
+
+def test_corrupt_shard_is_named(corpus, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(Path(corpus).parent, copy)
+    shard = copy / read_manifest(corpus)["splits"]["train"]["shards"][1]["path"]
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    reader = ShardReader(str(copy / "manifest.json"), "train")
+    reader.get([0])  # shard 0 is intact
+    with pytest.raises(ShardError, match="train-00001.parquet"):
+        reader.get([len(reader) - 1, reader.starts[1]])
+
+
+def test_missing_manifest_says_what_to_do(tmp_path):
+    with pytest.raises(ShardError, match="etrain prepare"):
+        read_manifest(str(tmp_path / "manifest.json"))
