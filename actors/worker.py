@@ -42,7 +42,7 @@ class TrainWorker:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
         self.train_data = ShardReader(manifest, "train", cfg.data.cache_shards)
         self.eval_data = ShardReader(manifest, "eval", cfg.data.cache_shards)
-        self.ddp: DDP | None = None
+        self.ddp: DDP | GPT | None = None
         self._store: dist.TCPStore | None = None
         self.rank, self.world = -1, 0
 
@@ -65,7 +65,8 @@ class TrainWorker:
             timeout=timedelta(seconds=timeouts.collective_s),
         )
         self.rank, self.world = rank, world
-        self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        # Alone, DDP would only copy gradients into buckets and back: measurably slower, nothing gained.
+        self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None) if world > 1 else self.model
 
     def train_step(self, step: int, ids: np.ndarray, global_batch: int) -> dict:
         """This worker's share of one optimizer step: forward/backward, all-reduce, clip, update.
@@ -81,7 +82,7 @@ class TrainWorker:
         chunks = self._rows(self.train_data, ids).split(self.cfg.train.micro_batch)
         loss_sum = 0.0
         for i, chunk in enumerate(chunks):
-            sync = nullcontext() if i == len(chunks) - 1 else self.ddp.no_sync()
+            sync = nullcontext() if i == len(chunks) - 1 or self.world == 1 else self.ddp.no_sync()
             with sync:
                 with self._autocast():
                     _, loss = self.ddp(chunk[:, :-1], chunk[:, 1:])

@@ -68,6 +68,7 @@ def save(uri: str, step: int, data: bytes, meta: dict, keep: int) -> str:
 def load_latest(uri: str) -> Checkpoint | None:
     """The newest committed checkpoint whose bytes verify; older ones if the newest is bad."""
     fs, root = fsspec.core.url_to_fs(uri)
+    fs.invalidate_cache(root)  # listings are cached per process; another process wrote these
     for path in reversed(_step_dirs(fs, root)):
         meta = _read_commit(fs, path)
         if meta is None:

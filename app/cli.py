@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from actors.coordinator import JobError
 from app.config import Config, ConfigError, load_config
 from app.job import new_run_dir, train
 from pipelines.shards import ShardError
@@ -29,8 +30,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_train(args, started_at: float) -> int:
-    from actors.coordinator import JobError
-
     if args.resume and args.config:
         raise ConfigError("--resume takes the run's own config.yaml; drop --config (use --set for resumable keys)")
     if args.resume:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
@@ -73,7 +74,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, started_at: float | 
 
 
 def _follow(coordinator, done, cfg: Config, progress: bool) -> None:
-    bar = tqdm(total=cfg.train.steps, unit="step", desc="starting", disable=not progress, dynamic_ncols=True)
+    # In a terminal the bar redraws in place; in a job log (ray job submit) a line every 30 s is enough.
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=cfg.train.steps, unit="step", desc="starting", disable=not progress, dynamic_ncols=True, mininterval=0.1 if interactive else 30)
     with bar:
         while True:
             finished, _ = ray.wait([done], timeout=0.5)

@@ -2,20 +2,25 @@
 
 Real text that every machine has, so `etrain train` works with no data given.
 Built once per (Python version, data and sequence settings) into
-`data.cache_dir`, then reused; a build goes to a temporary name and is renamed
-into place, so a crash never leaves a half-written corpus that looks complete.
+`data.cache_dir`, then reused. A build goes to a temporary local directory and
+is then renamed into place (local) or uploaded with the manifest last (a URI
+such as s3://, which every node of a cluster can read), so a crash never
+leaves a half-written corpus that looks complete.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import shutil
 import sys
 import sysconfig
+import tempfile
 import uuid
 from pathlib import Path
 
+import fsspec
 import numpy as np
 
 from app.config import Config
@@ -40,6 +45,8 @@ def ensure_corpus(cfg: Config) -> str:
         "tokenizer": "bytes",
     }
     key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+    if "://" in cfg.data.cache_dir:
+        return _ensure_remote(posixpath.join(cfg.data.cache_dir, f"embedded-{key}"), params)
     out = Path(cfg.data.cache_dir).expanduser() / f"embedded-{key}"
     if not (out / "manifest.json").is_file():
         tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -53,6 +60,19 @@ def ensure_corpus(cfg: Config) -> str:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return str(out / "manifest.json")
+
+
+def _ensure_remote(out: str, params: dict) -> str:
+    fs, root = fsspec.core.url_to_fs(out)
+    manifest = posixpath.join(out, "manifest.json")
+    if not fs.exists(posixpath.join(root, "manifest.json")):
+        with tempfile.TemporaryDirectory() as tmp:
+            build(Path(tmp), params)
+            shards = [p for p in Path(tmp).iterdir() if p.name != "manifest.json"]
+            for p in shards:
+                fs.put_file(str(p), posixpath.join(root, p.name))
+            fs.put_file(str(Path(tmp) / "manifest.json"), posixpath.join(root, "manifest.json"))
+    return manifest
 
 
 def build(out: Path, params: dict) -> dict:

@@ -1,6 +1,9 @@
-"""One local Ray instance per test session; a shared small embedded corpus."""
+"""One local Ray instance per test session, a local S3 server, a shared small corpus."""
 
 from __future__ import annotations
+
+import os
+import socket
 
 import pytest
 import ray
@@ -9,7 +12,41 @@ from app.config import Config, load_config
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def s3_server():
+    """moto's S3 on 127.0.0.1, set in the environment before Ray starts so every actor reaches it."""
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env["AWS_ENDPOINT_URL"]
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request) -> str:
+    import boto3
+
+    name = request.node.name.lower().replace("_", "-").replace("[", "-").replace("]", "")[:50]
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
+    return f"s3://{name}"
+
+
+@pytest.fixture(scope="session")
+def ray_session(s3_server):
     if ray.is_initialized():
         yield
         return

@@ -63,3 +63,18 @@ def test_weights_only_refuses_arbitrary_pickles():
 
 def test_no_checkpoint_gives_none(tmp_path):
     assert checkpoint.load_latest(str(tmp_path / "nothing")) is None
+
+
+def test_round_trip_and_fallback_on_s3(s3_bucket):
+    import fsspec
+
+    uri = f"{s3_bucket}/run/checkpoints"
+    checkpoint.save(uri, 5, state(1.0), {"cursor": 80}, keep=3)
+    checkpoint.save(uri, 10, state(2.0), {"cursor": 160}, keep=3)
+    fs, _ = fsspec.core.url_to_fs(uri)
+    fs.invalidate_cache()
+    fs.rm(f"{uri}/step-00000010/state.pt")  # as if the data write had been lost
+    fs.pipe_file(f"{uri}/step-00000015/state.pt", state(3.0))  # a save that never committed
+    ck = checkpoint.load_latest(uri)
+    assert ck.meta["cursor"] == 80
+    assert torch.equal(checkpoint.deserialize(ck.state)["w"], torch.ones(4))

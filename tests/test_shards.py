@@ -70,3 +70,11 @@ def test_corrupt_shard_is_named(corpus, tmp_path):
 def test_missing_manifest_says_what_to_do(tmp_path):
     with pytest.raises(ShardError, match="etrain prepare"):
         read_manifest(str(tmp_path / "manifest.json"))
+
+
+def test_embedded_corpus_on_s3_reads_like_local(make_cfg, s3_bucket, corpus):
+    remote = ensure_corpus(make_cfg(f"data.cache_dir={s3_bucket}/data"))
+    assert remote.startswith(s3_bucket) and remote.endswith("manifest.json")
+    local, far = ShardReader(corpus, "eval"), ShardReader(remote, "eval")
+    assert np.array_equal(far.get(np.arange(len(far))), local.get(np.arange(len(local))))
+    assert ensure_corpus(make_cfg(f"data.cache_dir={s3_bucket}/data")) == remote  # reused, not rebuilt

@@ -130,3 +130,26 @@ def test_resume_on_another_world_size_stays_on_the_trajectory(make_cfg):
     a, b = losses(ref_dir), losses(run_dir)
     assert sorted(b) == list(range(1, 11))
     assert max(abs(a[s] - b[s]) for s in a) < 1e-4
+
+
+def test_bf16_autocast_trains(make_cfg):
+    cfg = make_cfg("train.precision=bf16", "train.steps=6", "cluster.num_workers=1")
+    summary = train(cfg, new_run_dir(cfg), progress=False)
+    assert np.isfinite(summary["final_loss"]) and summary["final_loss"] < summary["first_loss"]
+    assert abs(summary["first_loss"] - np.log(256)) < 0.5  # bf16 keeps the untrained model near uniform
+
+
+def test_exact_resume_with_checkpoints_on_s3(make_cfg, s3_bucket):
+    steps = ["train.steps=6", "checkpoint.every=3", "train.eval_every=0", f"checkpoint.uri={s3_bucket}/ck"]
+    cfg = make_cfg(*steps)
+    run_dir = new_run_dir(cfg)
+    train(cfg, run_dir, progress=False)
+    reference = losses(run_dir)
+    import fsspec
+
+    fs, _ = fsspec.core.url_to_fs(s3_bucket)
+    fs.rm(f"{s3_bucket}/ck/step-00000006", recursive=True)  # as if it had stopped after step 3
+    train(cfg, run_dir, resume=True, progress=False)
+    assert losses(run_dir) == reference
+    events = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "resume"]
+    assert events[-1]["step"] == 3 and events[-1]["path"].endswith("step-00000003")
