@@ -7,12 +7,12 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test bench clean-venv
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU build of torch on this machine's disk; a bare `torch` pulls a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# torch==2.13.0 is the CPU build on this machine's disk; a bare `torch` pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)  ## train the tiny GPT on the embedded corpus with 2 workers on a local Ray

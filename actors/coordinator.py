@@ -1,4 +1,4 @@
-"""Coordinator: owns the workers, the global cursor, the step loop and the run's records.
+"""Coordinator: drives the workers and owns the global cursor, the step loop and the run's records.
 
 It runs as a Ray actor pinned to the driver's node (the run directory lives
 there). It never imports torch, so it starts in about a second while the
@@ -44,7 +44,6 @@ class Coordinator:
     def __init__(self, cfg_dict: dict, run_dir: str, manifest: str, started_at: float, workers: list):
         self.cfg = Config.model_validate(cfg_dict)
         self.run_dir = Path(run_dir)
-        self.manifest = manifest
         self.started_at = started_at
         self.ckpt_uri = self.cfg.checkpoint.uri or str(self.run_dir / "checkpoints")
         splits = read_manifest(manifest)["splits"]
@@ -70,10 +69,10 @@ class Coordinator:
                 self._maybe_evaluate()
                 self._maybe_checkpoint()
             summary = self._summary(first_step_at)
-            self._set_phase(Phase.FINISHED)
+            self.phase = Phase.FINISHED
             return summary
         except Exception:
-            self._set_phase(Phase.FAILED)
+            self.phase = Phase.FAILED
             raise
         finally:
             self._stop_workers()
@@ -103,30 +102,32 @@ class Coordinator:
             "world_size": len(self.workers), "samples": self.cursor, "time": time.time(),
         })
 
+    def _due(self, every: int) -> bool:
+        """Every `every` steps (0: never) and always after the last step."""
+        return self.step == self.cfg.train.steps or (every > 0 and self.step % every == 0)
+
     def _maybe_evaluate(self) -> None:
-        every, last = self.cfg.train.eval_every, self.step == self.cfg.train.steps
-        if not (last or (every and self.step % every == 0)):
+        if not self._due(self.cfg.train.eval_every):
             return
-        self._set_phase(Phase.EVALUATING)
+        self.phase = Phase.EVALUATING
         # A fixed held-out subset (seed 0, not the training seed) so runs and trials compare.
         ids = order.take(0, self.num_eval, 0, min(self.cfg.train.eval_samples, self.num_eval))
         shares = order.split(ids, [1.0] * len(self.workers)) if len(ids) >= len(self.workers) else [ids]
         results = self._gather([w.evaluate.remote(s) for w, s in zip(self.workers, shares)], "evaluation")
         loss = sum(r[0] for r in results) / sum(r[1] for r in results)
         self._record({"kind": "eval", "step": self.step, "eval_loss": loss, "time": time.time()})
-        self._set_phase(Phase.RUNNING)
+        self.phase = Phase.RUNNING
 
     def _maybe_checkpoint(self) -> None:
-        every, last = self.cfg.checkpoint.every, self.step == self.cfg.train.steps
-        if not (last or (every and self.step % every == 0)):
+        if not self._due(self.cfg.checkpoint.every):
             return
-        self._set_phase(Phase.CHECKPOINTING)
+        self.phase = Phase.CHECKPOINTING
         started = time.perf_counter()
         state = self._gather([self.workers[0].state.remote()], "checkpoint")[0]
         meta = {"cursor": self.cursor, "config_hash": self.cfg.hash(), "config": self.cfg.model_dump(), "world_size": len(self.workers)}
         path = checkpoint.save(self.ckpt_uri, self.step, state, meta, self.cfg.checkpoint.keep)
         self._record({"kind": "checkpoint", "step": self.step, "path": path, "save_s": time.perf_counter() - started, "time": time.time()})
-        self._set_phase(Phase.RUNNING)
+        self.phase = Phase.RUNNING
 
     # -- membership ---------------------------------------------------------
 
@@ -137,7 +138,7 @@ class Coordinator:
         world = len(self.workers)
         joins = [w.join.remote(rank, world, host, port, self.generation) for rank, w in enumerate(self.workers)]
         self._gather(joins, "process group formation", self.cfg.timeouts.join_s)
-        self._set_phase(Phase.RUNNING)
+        self.phase = Phase.RUNNING
 
     def _restore(self) -> None:
         ckpt = checkpoint.load_latest(self.ckpt_uri)
@@ -172,9 +173,6 @@ class Coordinator:
         append_jsonl(self.run_dir / "metrics.jsonl", record)
         with self._lock:
             self._events.append(record)
-
-    def _set_phase(self, phase: Phase) -> None:
-        self.phase = phase
 
     def _summary(self, first_step_at: float | None) -> dict:
         summary = summarize(self.run_dir / "metrics.jsonl", self.cfg, self.started_at, first_step_at)

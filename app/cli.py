@@ -10,12 +10,9 @@ import time
 from pathlib import Path
 
 from actors.coordinator import JobError
-from app.config import Config, ConfigError, load_config
+from app.config import RESUMABLE, Config, ConfigError, load_config
 from app.job import new_run_dir, train
 from pipelines.shards import ShardError
-
-# Keys a resume may change: how and where it runs, and how long; never what is trained.
-RESUMABLE = ("train.steps", "train.eval_every", "train.eval_samples", "checkpoint.", "cluster.", "timeouts.", "run.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +39,8 @@ def cmd_train(args, started_at: float) -> int:
     try:
         summary = train(cfg, run_dir, resume=bool(args.resume), started_at=started_at, progress=not args.no_progress)
     except JobError as e:
-        print(f"etrain: training failed: {e}", file=sys.stderr)
+        reason = getattr(e, "cause", e)  # raised inside the coordinator actor: drop Ray's remote traceback
+        print(f"etrain: training failed: {reason}", file=sys.stderr)
         return 1
     print(json.dumps(summary, indent=1))
     print(f"metrics: {run_dir / 'metrics.jsonl'}\nsummary: {run_dir / 'summary.json'}", file=sys.stderr)
@@ -60,7 +58,7 @@ def _resume_config(run_dir: Path, overrides: list[str]) -> Config:
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give the directory `etrain train` printed")
     for item in overrides:
         key = item.partition("=")[0].strip()
-        if not key.startswith(RESUMABLE) and key not in RESUMABLE:
+        if not any(key == k or key.startswith(k + ".") for k in RESUMABLE):
             raise ConfigError(f"--set {key} cannot change on resume (it changes what is trained); resumable: {', '.join(RESUMABLE)}")
     cfg = load_config(str(saved), overrides)
     if overrides:

@@ -18,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
+# What a resume may change: how, where and how long a run goes on; never the model, data or optimizer.
+RESUMABLE = ("train.steps", "train.eval_every", "train.eval_samples", "checkpoint", "cluster", "timeouts", "run")
+
 
 class ConfigError(ValueError):
     """A config the user gave is wrong; the message says what and how to fix it."""
@@ -139,8 +142,11 @@ class Config(Section):
         return self
 
     def hash(self) -> str:
-        """Identity of what is trained, ignoring where and how it runs."""
-        body = self.model_dump(exclude={"run", "cluster", "timeouts", "checkpoint"})
+        """Identity of what is trained: everything but the RESUMABLE keys."""
+        body = self.model_dump()
+        for key in RESUMABLE:
+            section, _, leaf = key.partition(".")
+            body[section].pop(leaf) if leaf else body.pop(section)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:

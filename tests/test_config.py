@@ -69,5 +69,12 @@ def test_cli_unknown_flag_exits_2():
 
 def test_config_hash_ignores_where_it_runs():
     a = load_config("tiny")
-    assert a.hash() == load_config("tiny", ["cluster.num_workers=1", "run.root=/elsewhere"]).hash()
+    assert a.hash() == load_config("tiny", ["cluster.num_workers=1", "run.root=/elsewhere", "train.steps=999"]).hash()
     assert a.hash() != load_config("tiny", ["optim.lr=1e-4"]).hash()
+
+
+def test_resume_refuses_changes_to_what_is_trained(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text(load_config("tiny").to_yaml())
+    assert main(["train", "--resume", str(tmp_path), "--set", "optim.lr=1"]) == 2
+    assert "optim.lr cannot change on resume" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path), "--config", "tiny"]) == 2
