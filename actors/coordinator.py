@@ -99,6 +99,7 @@ class Coordinator:
         self._record({
             "kind": "train", "step": self.step, "loss": sum(r["loss"] for r in results), "lr": results[0]["lr"],
             "grad_norm": results[0]["grad_norm"], "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+            "worker_s": max(r["compute_s"] for r in results),
             "world_size": len(self.workers), "samples": self.cursor, "time": time.time(),
         })
 

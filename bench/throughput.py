@@ -5,7 +5,10 @@ pipelines.order, read from the same shards) with the same global batch, one
 variant at a time, each in its own fresh process so start-up is measured from
 the process launch. Prints a table and writes bench/results/throughput.json.
 
-    python bench/throughput.py [--steps 60] [--layers 4] [--width 256]
+    python bench/throughput.py [--steps 60] [--layers 4] [--width 256] [--repeats 3]
+
+With --repeats N the variants run in N interleaved rounds (so drift in the
+machine's speed hits every variant alike) and the table reports medians.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -179,21 +183,31 @@ def main() -> None:
     p.add_argument("--variant", choices=VARIANTS)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--cpus", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds; the table shows medians")
     args = p.parse_args()
     if args.variant:
         print(json.dumps(VARIANTS[args.variant](args)))
         return
     plan = [("plain", 1, 2), ("raytrain", 1, 2), ("ours", 1, 2), ("raytrain", 2, 1), ("ours", 2, 1)]
     rows = []
-    for variant, workers, cpus in plan:
-        rows.append(measure(args, variant, workers, cpus))
-        r = rows[-1]
-        print(f"{variant:9s} workers={workers} {r['tokens_per_s']:9.0f} tok/s   first step {r['first_step_s']:5.1f} s", flush=True)
+    for round_ in range(args.repeats):
+        for variant, workers, cpus in plan:
+            rows.append({**measure(args, variant, workers, cpus), "round": round_})
+            r = rows[-1]
+            print(f"round {round_}  {variant:9s} workers={workers} {r['tokens_per_s']:9.0f} tok/s   first step {r['first_step_s']:5.1f} s", flush=True)
     report(rows, args)
 
 
+def medians(rows: list[dict]) -> dict:
+    out = {}
+    for key in {(r["variant"], r["workers"]) for r in rows}:
+        same = [r for r in rows if (r["variant"], r["workers"]) == key]
+        out[key] = {m: statistics.median(r[m] for r in same) for m in ("tokens_per_s", "first_step_s")}
+    return out
+
+
 def report(rows: list[dict], args) -> None:
-    get = {(r["variant"], r["workers"]): r for r in rows}
+    get = medians(rows)
     ratios = {
         "ours_vs_raytrain_tokens_per_s_2w": get["ours", 2]["tokens_per_s"] / get["raytrain", 2]["tokens_per_s"],
         "ours_vs_raytrain_tokens_per_s_1w": get["ours", 1]["tokens_per_s"] / get["raytrain", 1]["tokens_per_s"],
@@ -212,7 +226,7 @@ def report(rows: list[dict], args) -> None:
         print(f"{name:40s} {value:7.2f}  {op} {goal if goal is not None else ''} {ok}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "throughput.json"
-    out.write_text(json.dumps({"args": vars(args), "rows": rows, "ratios": ratios, "when": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
+    out.write_text(json.dumps({"args": vars(args), "rows": rows, "medians": {f"{v}-{w}w": m for (v, w), m in get.items()}, "ratios": ratios, "when": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
     print(f"\nwritten: {out}")
 
 
