@@ -16,12 +16,14 @@ import time
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from app import checkpoint
 from app.config import Config
 from app.metrics import append_jsonl, truncate_after, write_json
 from app.report import summarize
 from pipelines import order
+from pipelines.cache import ShardCache
 from pipelines.shards import read_manifest
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,14 @@ class Coordinator:
         self.started_at = started_at
         self.ckpt_uri = self.cfg.checkpoint.uri or str(self.run_dir / "checkpoints")
         splits = read_manifest(manifest)["splits"]
-        self.num_train, self.num_eval = splits["train"]["samples"], splits["eval"]["samples"]
+        sizes = tuple(s["samples"] for s in splits["train"]["shards"])
+        self.layout = order.Layout(self.cfg.train.seed, sizes, self.cfg.data.shuffle_shards)
+        # A fixed held-out subset (seed 0, not the training seed) so runs and trials compare.
+        num_eval = splits["eval"]["samples"]
+        self.eval_ids = order.take(order.Layout(0, (num_eval,), 1), 0, min(self.cfg.train.eval_samples, num_eval))
+        self.manifest = manifest
+        self.caches: dict[str, object] = {}  # node id -> ShardCache actor
+        self._fetched = {"fetched_bytes": 0, "fetched_shards": 0}
         self.step = self.cursor = 0
         self.generation = 0
         self.workers = workers
@@ -89,9 +98,10 @@ class Coordinator:
         """Take the next global batch, split it over the workers, commit when all finished."""
         cfg = self.cfg.train
         started = time.perf_counter()
-        ids = order.take(cfg.seed, self.num_train, self.cursor, cfg.global_batch)
+        ids = order.take(self.layout, self.cursor, cfg.global_batch)
         shares = order.split(ids, [1.0] * len(self.workers))
-        results = self._gather([w.train_step.remote(self.step, s, cfg.global_batch) for w, s in zip(self.workers, shares)], "train step")
+        steps = [w.train_step.remote(self.step, s, cfg.global_batch, self.cursor) for w, s in zip(self.workers, shares)]
+        results = self._gather(steps, "train step")
         elapsed = time.perf_counter() - started
         self.step += 1
         self.cursor += cfg.global_batch
@@ -99,9 +109,24 @@ class Coordinator:
         self._record({
             "kind": "train", "step": self.step, "loss": sum(r["loss"] for r in results), "lr": results[0]["lr"],
             "grad_norm": results[0]["grad_norm"], "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-            "worker_s": max(r["compute_s"] for r in results),
-            "world_size": len(self.workers), "samples": self.cursor, "time": time.time(),
+            "worker_s": max(r["compute_s"] for r in results), "world_size": len(self.workers),
+            "samples": self.cursor, "time": time.time(), **self._data_metrics([r["data"] for r in results]),
         })
+
+    def _data_metrics(self, per_worker: list[dict]) -> dict:
+        """This step's data cost: slowest worker's wait, cache hits/misses, bytes fetched by the node caches."""
+        totals = {"fetched_bytes": 0, "fetched_shards": 0}
+        for stats in self._gather([c.stats.remote() for c in self.caches.values()], "cache stats"):
+            for key in totals:
+                totals[key] += stats[key]
+        delta = {key: totals[key] - self._fetched[key] for key in totals}
+        self._fetched = totals
+        return {
+            "data_wait_s": max(d["wait_s"] for d in per_worker),
+            "cache_hits": sum(d["hits"] for d in per_worker),
+            "cache_misses": sum(d["misses"] for d in per_worker),
+            **delta,
+        }
 
     def _due(self, every: int) -> bool:
         """Every `every` steps (0: never) and always after the last step."""
@@ -111,8 +136,7 @@ class Coordinator:
         if not self._due(self.cfg.train.eval_every):
             return
         self.phase = Phase.EVALUATING
-        # A fixed held-out subset (seed 0, not the training seed) so runs and trials compare.
-        ids = order.take(0, self.num_eval, 0, min(self.cfg.train.eval_samples, self.num_eval))
+        ids = self.eval_ids
         shares = order.split(ids, [1.0] * len(self.workers)) if len(ids) >= len(self.workers) else [ids]
         results = self._gather([w.evaluate.remote(s) for w, s in zip(self.workers, shares)], "evaluation")
         loss = sum(r[0] for r in results) / sum(r[1] for r in results)
@@ -133,13 +157,23 @@ class Coordinator:
     # -- membership ---------------------------------------------------------
 
     def _form_group(self) -> None:
-        self._gather([w.info.remote() for w in self.workers], "worker start", self.cfg.timeouts.join_s)
+        infos = self._gather([w.info.remote() for w in self.workers], "worker start", self.cfg.timeouts.join_s)
+        self._attach_caches([info["node"] for info in infos])
         self.generation += 1
         host, port = self._gather([self.workers[0].host_store.remote()], "store start")[0]
         world = len(self.workers)
         joins = [w.join.remote(rank, world, host, port, self.generation) for rank, w in enumerate(self.workers)]
         self._gather(joins, "process group formation", self.cfg.timeouts.join_s)
         self.phase = Phase.RUNNING
+
+    def _attach_caches(self, nodes: list[str]) -> None:
+        """One ShardCache per node that runs workers; each worker reads through its node's."""
+        data = self.cfg.data
+        for node in set(nodes) - set(self.caches):
+            here = NodeAffinitySchedulingStrategy(node, soft=False)
+            actor = ray.remote(ShardCache).options(num_cpus=0, max_concurrency=32, scheduling_strategy=here)
+            self.caches[node] = actor.remote(self.manifest, self.layout, data.cache_shards, data.node_cache_dir)
+        self._gather([w.attach_cache.remote(self.caches[n], self.layout) for w, n in zip(self.workers, nodes)], "cache attach")
 
     def _restore(self) -> None:
         ckpt = checkpoint.load_latest(self.ckpt_uri)
@@ -158,6 +192,11 @@ class Coordinator:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+        closing = [c.close.remote() for c in self.caches.values()]
+        ray.wait(closing, num_returns=len(closing), timeout=10)  # best effort: remove the cached files
+        for c in self.caches.values():
+            ray.kill(c)
+        self.caches = {}
 
     # -- helpers ------------------------------------------------------------
 

@@ -22,7 +22,9 @@ from app.checkpoint import deserialize, serialize
 from app.config import Config
 from app.model import GPT
 from app.optim import make_optimizer, make_scheduler
+from pipelines.order import Layout
 from pipelines.shards import ShardReader
+from pipelines.stream import StreamingReader
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -40,14 +42,21 @@ class TrainWorker:
         self.optimizer = make_optimizer(self.model, cfg.optim)
         self.scheduler = make_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
-        self.train_data = ShardReader(manifest, "train", cfg.data.cache_shards)
-        self.eval_data = ShardReader(manifest, "eval", cfg.data.cache_shards)
+        self.manifest = manifest
+        self.train_data: StreamingReader | None = None  # set by attach_cache
+        self.eval_data = ShardReader(manifest, "eval", cfg.data.cache_shards)  # small, read directly
         self.ddp: DDP | GPT | None = None
         self._store: dist.TCPStore | None = None
         self.rank, self.world = -1, 0
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "params": self.model.num_params()}
+
+    def attach_cache(self, cache, layout: Layout) -> None:
+        """Read training shards through this node's cache (one ShardCache actor per node)."""
+        if self.train_data is not None:
+            self.train_data.close()
+        self.train_data = StreamingReader(self.manifest, layout, cache)
 
     def host_store(self) -> tuple[str, int]:
         """Serve the TCPStore the group meets at (rank 0 of a generation does this)."""
@@ -68,7 +77,7 @@ class TrainWorker:
         # Alone, DDP would only copy gradients into buckets and back: measurably slower, nothing gained.
         self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None) if world > 1 else self.model
 
-    def train_step(self, step: int, ids: np.ndarray, global_batch: int) -> dict:
+    def train_step(self, step: int, ids: np.ndarray, global_batch: int, cursor: int) -> dict:
         """This worker's share of one optimizer step: forward/backward, all-reduce, clip, update.
 
         Each sample's loss weighs 1/global_batch however the batch is split, and
@@ -79,7 +88,8 @@ class TrainWorker:
         torch.manual_seed(step_seed(self.cfg.train.seed, step, self.rank))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        chunks = self._rows(self.train_data, ids).split(self.cfg.train.micro_batch)
+        rows, data = self.train_data.get(ids, cursor)
+        chunks = self._tensor(rows).split(self.cfg.train.micro_batch)
         loss_sum = 0.0
         for i, chunk in enumerate(chunks):
             sync = nullcontext() if i == len(chunks) - 1 or self.world == 1 else self.ddp.no_sync()
@@ -96,14 +106,14 @@ class TrainWorker:
         self.scaler.update()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": time.perf_counter() - started}
+        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": time.perf_counter() - started, "data": data}
 
     @torch.no_grad()
     def evaluate(self, ids: np.ndarray) -> tuple[float, int]:
         """Sum of per-sample mean losses over `ids` (held-out split), and their count."""
         self.model.eval()
         total = 0.0
-        for chunk in self._rows(self.eval_data, ids).split(self.cfg.train.micro_batch):
+        for chunk in self._tensor(self.eval_data.get(ids)).split(self.cfg.train.micro_batch):
             with self._autocast():
                 _, loss = self.model(chunk[:, :-1], chunk[:, 1:])
             total += loss.item() * len(chunk)
@@ -135,8 +145,8 @@ class TrainWorker:
             dist.destroy_process_group()
         self.ddp, self.rank, self.world = None, -1, 0
 
-    def _rows(self, reader: ShardReader, ids: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(reader.get(ids).astype(np.int64)).to(self.device, non_blocking=True)
+    def _tensor(self, rows: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
 
     def _autocast(self):
         if self.cfg.train.precision == "fp32":

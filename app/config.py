@@ -55,7 +55,18 @@ class DataConfig(Section):
     corpus_bytes: int = Field(6_000_000, ge=10_000, description="cap on the embedded corpus' raw text")
     eval_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="documents held out for evaluation")
     shard_bytes: int = Field(128 * 2**20, ge=4096, description="target physical shard size")
-    cache_shards: int = Field(3, ge=1, description="decoded shards a worker keeps in memory")
+    cache_shards: int = Field(3, ge=2, description="shards each node keeps on local disk (the node cache)")
+    shuffle_shards: int = Field(1, ge=1, description="shards whose samples are shuffled together; < cache_shards")
+    node_cache_dir: str = Field("/tmp/etrain-cache", description="local directory of each node's shard cache")
+
+    @model_validator(mode="after")
+    def _room_to_prefetch(self) -> DataConfig:
+        if self.shuffle_shards >= self.cache_shards:
+            raise ValueError(
+                f"data.shuffle_shards={self.shuffle_shards} must be below data.cache_shards={self.cache_shards}: "
+                "the cache needs a free slot to prefetch the next shard"
+            )
+        return self
 
 
 class TrainConfig(Section):

@@ -148,7 +148,12 @@ def load_shard(uri: str, entry: dict, row_len: int, dtype: np.dtype) -> np.ndarr
         data = f.read()
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise ShardError(f"shard {uri} does not match its manifest sha256; it is corrupt or was replaced: re-run `etrain prepare`")
-    column = pq.read_table(pa.BufferReader(data), columns=["tokens"]).column("tokens").combine_chunks()
+    return decode(pq.read_table(pa.BufferReader(data), columns=["tokens"]), row_len, dtype)
+
+
+def decode(table: pa.Table, row_len: int, dtype: np.dtype) -> np.ndarray:
+    """A shard's rows as an (n, row_len) array over the table's own buffer (no copy)."""
+    column = table.column("tokens").combine_chunks()
     buf = column.buffers()[1]
     width = row_len * dtype.itemsize
     return np.frombuffer(buf, dtype=dtype, count=len(column) * row_len, offset=column.offset * width).reshape(len(column), row_len)

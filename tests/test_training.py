@@ -22,7 +22,8 @@ from app.metrics import read_jsonl
 from app.model import GPT
 from pipelines import order
 from pipelines.embedded import ensure_corpus
-from pipelines.shards import ShardReader
+from pipelines.cache import ShardCache
+from pipelines.shards import ShardReader, read_manifest
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -31,21 +32,25 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"}
 
 
-def form_group(workers: list) -> None:
+def form_group(workers: list, cfg, manifest: str, cache_dir: Path) -> None:
+    sizes = tuple(s["samples"] for s in read_manifest(manifest)["splits"]["train"]["shards"])
+    layout = order.Layout(cfg.train.seed, sizes, cfg.data.shuffle_shards)
+    cache = ray.remote(ShardCache).options(num_cpus=0, max_concurrency=8).remote(manifest, layout, 3, str(cache_dir))
+    ray.get([w.attach_cache.remote(cache, layout) for w in workers])
     host, port = ray.get(workers[0].host_store.remote())
     ray.get([w.join.remote(r, len(workers), host, port, 1) for r, w in enumerate(workers)])
 
 
 @pytest.mark.parametrize("weights", [[1.0, 1.0], [1.0, 3.0]])
-def test_two_workers_gradient_equals_single_process(make_cfg, weights):
+def test_two_workers_gradient_equals_single_process(make_cfg, weights, tmp_path):
     cfg = make_cfg("optim.grad_clip=0", "train.global_batch=12", "train.micro_batch=4")
     manifest = ensure_corpus(cfg)
-    ids = order.take(cfg.train.seed, 10_000, 0, 12) % len(ShardReader(manifest, "train"))
+    ids = np.random.default_rng(0).choice(len(ShardReader(manifest, "train")), 12, replace=False)
     workers = spawn(cfg, manifest, 2)
     try:
-        form_group(workers)
+        form_group(workers, cfg, manifest, tmp_path)
         shares = order.split(ids, weights)
-        ray.get([w.train_step.remote(0, s, 12) for w, s in zip(workers, shares)])
+        ray.get([w.train_step.remote(0, s, 12, 0) for w, s in zip(workers, shares)])
         grads = ray.get([w.flat_grad.remote() for w in workers])
     finally:
         for w in workers:
