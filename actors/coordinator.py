@@ -133,7 +133,7 @@ class Coordinator:
         return self.step == self.cfg.train.steps or (every > 0 and self.step % every == 0)
 
     def _maybe_evaluate(self) -> None:
-        if not self._due(self.cfg.train.eval_every):
+        if not self._due(self.cfg.train.eval_every) or not len(self.eval_ids):
             return
         self.phase = Phase.EVALUATING
         ids = self.eval_ids

@@ -47,6 +47,29 @@ def cmd_train(args, started_at: float) -> int:
     return 0
 
 
+def cmd_prepare(args, started_at: float) -> int:
+    from app.job import connect
+    from pipelines.prepare import prepare
+
+    sugar = [f"prepare.jsonl_field={args.field}"] * bool(args.field) + [f"prepare.parquet_column={args.column}"] * bool(args.column)
+    cfg = load_config(args.config, [*sugar, *args.set])
+    storage = dict(_parse_option(o) for o in args.storage_option)
+    connect(cfg)
+    report = prepare(args.src, args.out, cfg, overwrite=args.overwrite, storage=storage)
+    print(json.dumps(report, indent=1))
+    out = args.out.rstrip("/")
+    print(f"manifest: {out}/manifest.json\nreport: {out}/report.json\nquarantine: {out}/quarantine.jsonl", file=sys.stderr)
+    print(f"train on it: etrain train --config {args.config or 'tiny'} --set data.source={out}/manifest.json", file=sys.stderr)
+    return 0
+
+
+def _parse_option(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--storage-option {item.split('=')[0]!r} must look like key=value (e.g. endpoint_url=http://127.0.0.1:9000)")
+    return key, value
+
+
 def cmd_config(args, started_at: float) -> int:
     print(load_config(args.config, args.set).to_yaml(), end="")
     return 0
@@ -79,6 +102,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest committed checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("prepare", help="turn raw documents into training shards (Ray Data)")
+    p.add_argument("src", nargs="+", help="text files, directories, globs, .jsonl or .parquet; local or s3://")
+    p.add_argument("--out", required=True, help="output directory or URI (shards, manifest.json, report.json, quarantine.jsonl)")
+    with_config(p)
+    p.add_argument("--field", help="JSONL key holding the text (prepare.jsonl_field, default 'text')")
+    p.add_argument("--column", help="Parquet column holding the text (prepare.parquet_column, default 'text')")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="fsspec option for s3:// (endpoint_url, key, secret ...); never logged")
+    p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("config", help="print the resolved config")
     with_config(p)

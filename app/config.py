@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # What a resume may change: how, where and how long a run goes on; never the model, data or optimizer.
-RESUMABLE = ("train.steps", "train.eval_every", "train.eval_samples", "checkpoint", "cluster", "timeouts", "run")
+RESUMABLE = ("train.steps", "train.eval_every", "train.eval_samples", "checkpoint", "cluster", "timeouts", "run", "prepare")
 
 
 class ConfigError(ValueError):
@@ -66,6 +66,31 @@ class DataConfig(Section):
                 f"data.shuffle_shards={self.shuffle_shards} must be below data.cache_shards={self.cache_shards}: "
                 "the cache needs a free slot to prefetch the next shard"
             )
+        return self
+
+
+class PrepareConfig(Section):
+    """`etrain prepare`: reading, quality filters and dedup. See pipelines/quality.py."""
+
+    jsonl_field: str = Field("text", description="JSONL key holding a document's text")
+    parquet_column: str = Field("text", description="Parquet column holding a document's text")
+    min_words: int = Field(20, ge=1, description="shorter documents are rejected as too_short")
+    max_symbol_ratio: float = Field(0.25, gt=0, le=1, description="non-letters among visible characters")
+    min_mean_word_length: float = Field(2.5, gt=0)
+    max_mean_word_length: float = Field(10.0, gt=0)
+    max_repeated_line_ratio: float = Field(0.3, ge=0, le=1, description="lines repeating an earlier line")
+    max_repeated_ngram_ratio: float = Field(0.2, ge=0, le=1, description="word n-grams repeating an earlier one")
+    ngram: int = Field(5, ge=1, description="word n-gram size for the repetition filter and MinHash shingles")
+    near_dup_threshold: float = Field(0.85, gt=0, le=1, description="MinHash Jaccard above which documents are near-duplicates")
+    minhash_perms: int = Field(128, ge=16)
+    length_buckets: list[int] = Field([2_000, 20_000], description="character counts splitting short/medium/long logical shards")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PrepareConfig:
+        if self.min_mean_word_length >= self.max_mean_word_length:
+            raise ValueError("prepare.min_mean_word_length must be below prepare.max_mean_word_length")
+        if self.length_buckets != sorted(self.length_buckets) or len(self.length_buckets) != 2:
+            raise ValueError("prepare.length_buckets must be two increasing character counts, e.g. [2000, 20000]")
         return self
 
 
@@ -134,6 +159,7 @@ class RunConfig(Section):
 class Config(Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
+    prepare: PrepareConfig = PrepareConfig()
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -36,10 +36,11 @@ class SplitWriter:
     """Packs token rows into shards of about `shard_bytes` and records them."""
 
     out: str
-    split: str
+    prefix: str  # shard file names: PREFIX-00000.parquet
     row_len: int
     dtype: str
     shard_bytes: int
+    storage: dict = field(default_factory=dict)  # fsspec options, e.g. endpoint_url
     shards: list[dict] = field(default_factory=list)
     _rows: list[np.ndarray] = field(default_factory=list)
     _pending: int = 0
@@ -60,18 +61,18 @@ class SplitWriter:
         self._rows, self._pending = [], 0
 
     def _write(self, rows: np.ndarray) -> dict:
-        name = f"{self.split}-{len(self.shards):05d}.parquet"
+        name = f"{self.prefix}-{len(self.shards):05d}.parquet"
         width = self.row_len * rows.dtype.itemsize
         column = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(rows), [None, pa.py_buffer(rows.tobytes())])
         sink = io.BytesIO()
         pq.write_table(pa.table({"tokens": column}), sink, compression="none", row_group_size=4096)
         data = sink.getvalue()
-        with fsspec.open(posixpath.join(self.out, name), "wb") as f:
+        with fsspec.open(posixpath.join(self.out, name), "wb", **self.storage) as f:
             f.write(data)
         return {"path": name, "samples": len(rows), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def write_manifest(out: str, *, seq_len: int, dtype: str, vocab_size: int, tokenizer: str, splits: dict[str, list[dict]], source: dict) -> dict:
+def write_manifest(out: str, *, seq_len: int, dtype: str, vocab_size: int, tokenizer: str, splits: dict[str, list[dict]], source: dict, storage: dict | None = None) -> dict:
     manifest = {
         "format": FORMAT,
         "tokenizer": tokenizer,
@@ -81,7 +82,7 @@ def write_manifest(out: str, *, seq_len: int, dtype: str, vocab_size: int, token
         "splits": {name: {"samples": sum(s["samples"] for s in shards), "shards": shards} for name, shards in splits.items()},
         "source": source,
     }
-    with fsspec.open(posixpath.join(out, "manifest.json"), "w") as f:
+    with fsspec.open(posixpath.join(out, "manifest.json"), "w", **(storage or {})) as f:
         json.dump(manifest, f, indent=1)
     return manifest
 

@@ -1,0 +1,239 @@
+"""`etrain prepare`: raw documents to training shards, as a Ray Data pipeline.
+
+read → normalise → quality filters → exact dedup (group by hash) → near dedup
+(MinHash; documents grouped by LSH band key) → byte tokens → packed rows, per
+logical shard (source x length bucket) → ~`data.shard_bytes` physical shards.
+
+Every document read is accounted for: kept, or rejected with a reason in
+`quarantine.jsonl`; `report.json` adds it up (read = kept + rejected). The
+output is a pure function of the inputs and the config: documents are ordered
+by id (input file order, then row) wherever order matters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import shutil
+import uuid
+from collections import Counter
+from functools import partial
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+from app.config import Config, ConfigError, PrepareConfig
+from pipelines import dedup, quality, tokenizer
+from pipelines.shards import SplitWriter, write_manifest
+
+FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+
+
+def prepare(srcs: list[str], out: str, cfg: Config, overwrite: bool = False, storage: dict | None = None) -> dict:
+    storage = storage or {}
+    fs, root = fsspec.core.url_to_fs(out, **storage)
+    if fs.exists(root) and fs.ls(root):
+        if not overwrite:
+            raise ConfigError(f"output {out} exists and is not empty; pass --overwrite to replace it, or choose another --out")
+        if "://" in out:
+            fs.rm(root, recursive=True)  # object storage is written in place: clear it first
+    files, missing = expand(srcs, storage)
+    # Ray 2.60's default shuffle (SHUFFLE_V2) fails on the empty blocks a filter leaves ("No match for FieldRef").
+    ray.data.DataContext.get_current().shuffle_strategy = ray.data.context.ShuffleStrategy.HASH_SHUFFLE
+    docs = ray.data.from_items(files).flat_map(partial(read_documents, cfg=cfg.prepare, storage=storage))
+    docs = docs.map(partial(inspect, cfg=cfg)).materialize()
+    parts = _partitions(docs.count())
+    kept = docs.filter(lambda r: r["reason"] is None)
+    exact = _exact_duplicates(kept, parts)
+    unique = kept.filter(lambda r: r["doc_id"] not in exact)
+    near = _near_duplicates(unique, cfg.prepare, parts)
+    final = unique.filter(lambda r: r["doc_id"] not in near)
+    duplicates = {d: ("duplicate_exact", of) for d, of in exact.items()} | {d: ("duplicate_near", of) for d, of in near.items()}
+    rejected = _quarantine(docs, duplicates) + [{"doc_id": -1, "path": p, "row": 0, "reason": "unreadable", "detail": why} for p, why in missing]
+    staging = _staging(out, fs, root)
+    packed = final.map(partial(assign, cfg=cfg)).groupby("group", num_partitions=parts).map_groups(partial(pack, out=staging, cfg=cfg, storage=storage), batch_format="pandas").take_all()
+    return _finish(out, staging, fs, root, cfg, packed, rejected, read=docs.count() + len(missing), storage=storage)
+
+
+# -- reading -------------------------------------------------------------------
+
+
+def expand(srcs: list[str], storage: dict) -> tuple[list[dict], list[tuple[str, str]]]:
+    """Input files in a stable order, and the arguments that name nothing readable."""
+    files, missing = [], []
+    for src in srcs:
+        fs, path = fsspec.core.url_to_fs(src, **storage)
+        protocol = src.split("://")[0] + "://" if "://" in src else ""
+        if any(c in path for c in "*?["):
+            found = sorted(fs.glob(path))
+        elif fs.isdir(path):
+            found = sorted(fs.find(path))
+        elif fs.exists(path):
+            found = [path]
+        else:
+            missing.append((src, "no such file, directory or glob match"))
+            continue
+        source = Path(path.rstrip("/")).name.split(".")[0] or "input"
+        for p in found:
+            files.append({"path": protocol + p, "format": FORMATS.get(Path(p).suffix, "text"), "source": source})
+    return [{**f, "file_id": i} for i, f in enumerate(files)], missing
+
+
+def read_documents(file: dict, cfg: PrepareConfig, storage: dict) -> list[dict]:
+    base = {"path": file["path"], "source": file["source"]}
+    try:
+        with fsspec.open(file["path"], "rb", **storage) as f:
+            data = f.read()
+        texts = list(_texts(data, file["format"], cfg))
+    except Exception as e:  # one unreadable input is reported, never fatal
+        return [{**base, "doc_id": file["file_id"] << 32, "row": 0, "raw": None, "reason": "unreadable", "detail": f"{type(e).__name__}: {e}"}]
+    return [{**base, "doc_id": (file["file_id"] << 32) + row, "row": row, "raw": text, "reason": why, "detail": None} for row, (text, why) in enumerate(texts)]
+
+
+def _texts(data: bytes, fmt: str, cfg: PrepareConfig):
+    if fmt == "text":
+        yield quality.decode(data)
+    elif fmt == "jsonl":
+        for line in data.decode("utf-8").splitlines():
+            if line.strip():
+                yield _json_text(line, cfg.jsonl_field)
+    else:
+        for value in pq.read_table(pa.BufferReader(data), columns=[cfg.parquet_column]).column(0).to_pylist():
+            yield (value, None) if isinstance(value, str) else (None, f"no_text_in_{cfg.parquet_column}")
+
+
+def _json_text(line: str, field: str) -> tuple[str | None, str | None]:
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError:
+        return None, "invalid_json"
+    value = value.get(field) if isinstance(value, dict) else None
+    return (value, None) if isinstance(value, str) else (None, f"no_text_in_{field}")
+
+
+def inspect(doc: dict, cfg: Config) -> dict:
+    """Normalise, filter, fingerprint (sha256 for exact, MinHash for near duplicates)."""
+    text = quality.normalise(doc.pop("raw")) if doc["raw"] is not None else ""
+    reason = doc["reason"] or quality.reject_reason(text, cfg.prepare)
+    keep = reason is None
+    perms = dedup.permutations(cfg.prepare.minhash_perms)
+    sig = dedup.signature(text, cfg.prepare.ngram, perms) if keep else np.zeros(cfg.prepare.minhash_perms, dtype=np.uint64)
+    return {**doc, "text": text if keep else "", "reason": reason, "sha": hashlib.sha256(text.encode()).hexdigest(), "sig": sig, "chars": len(text)}
+
+
+# -- deduplication ---------------------------------------------------------------
+
+
+def _partitions(documents: int) -> int:
+    """Shuffle partitions: Ray's default of 200 costs tens of seconds of empty tasks on a small corpus."""
+    return max(2, min(200, documents // 20_000))
+
+
+def _exact_duplicates(kept, parts: int) -> dict[int, int]:
+    def later_copies(group):
+        ids = sorted(group["doc_id"].tolist())
+        return {"doc_id": ids[1:], "of": [ids[0]] * (len(ids) - 1)}
+
+    rows = kept.select_columns(["sha", "doc_id"]).groupby("sha", num_partitions=parts).map_groups(later_copies, batch_format="pandas").take_all()
+    return {int(r["doc_id"]): int(r["of"]) for r in rows}
+
+
+def _near_duplicates(unique, cfg: PrepareConfig, parts: int) -> dict[int, int]:
+    bands, rows = dedup.bands_for(cfg.near_dup_threshold, cfg.minhash_perms)
+
+    def keys(doc):
+        return [{"band": k, "doc_id": doc["doc_id"], "sig": doc["sig"]} for k in dedup.band_keys(doc["sig"], bands, rows)]
+
+    def pairs(group):
+        ids, sigs = group["doc_id"].tolist(), group["sig"].tolist()
+        found = [(ids[i], ids[j]) for i in range(len(ids)) for j in range(i + 1, len(ids)) if dedup.similarity(sigs[i], sigs[j]) >= cfg.near_dup_threshold]
+        return {"a": [a for a, _ in found], "b": [b for _, b in found]}
+
+    candidates = unique.select_columns(["doc_id", "sig"]).flat_map(keys).groupby("band", num_partitions=parts).map_groups(pairs, batch_format="pandas").take_all()
+    roots = dedup.clusters([(int(r["a"]), int(r["b"])) for r in candidates])
+    return {d: root for d, root in roots.items() if d != root}
+
+
+# -- packing and writing --------------------------------------------------------
+
+
+def assign(doc: dict, cfg: Config) -> dict:
+    """Split (by content hash: stable under any re-run) and logical shard (source x length bucket)."""
+    split = "eval" if int(doc["sha"][:8], 16) / 2**32 < cfg.data.eval_fraction else "train"
+    short, long_ = cfg.prepare.length_buckets
+    bucket = "short" if doc["chars"] < short else "medium" if doc["chars"] < long_ else "long"
+    return {"doc_id": doc["doc_id"], "text": doc["text"], "group": f"{split}/{doc['source']}.{bucket}"}
+
+
+def pack(group, out: str, cfg: Config, storage: dict):
+    """One logical shard: documents in id order, EOT-separated, cut into seq_len + 1 rows."""
+    group = group.sort_values("doc_id")
+    split, logical = group["group"].iloc[0].split("/")
+    stream = np.concatenate([np.append(tokenizer.encode(t), np.uint8(tokenizer.EOT)) for t in group["text"]])
+    row_len = cfg.model.seq_len + 1
+    n = len(stream) // row_len
+    writer = SplitWriter(out, f"{split}-{logical}", row_len, "uint8", cfg.data.shard_bytes, storage)
+    writer.add(stream[: n * row_len].reshape(n, row_len))
+    writer.flush()
+    entries = [{**s, "logical": logical} for s in writer.shards]
+    return {"split": [split], "entries": [json.dumps(entries)], "tokens": [n * row_len], "dropped_tokens": [len(stream) - n * row_len]}
+
+
+def _staging(out: str, fs, root: str) -> str:
+    """Local output is built beside its target and renamed in; object storage is written in place, manifest last."""
+    if "://" in out:
+        return out
+    return str(Path(root).with_name(f".{Path(root).name}.tmp-{uuid.uuid4().hex[:8]}"))
+
+
+def _finish(out, staging, fs, root, cfg: Config, packed: list[dict], rejected: list[dict], read: int, storage: dict) -> dict:
+    splits: dict[str, list[dict]] = {"train": [], "eval": []}
+    for row in packed:
+        splits[row["split"]] += json.loads(row["entries"])
+    for entries in splits.values():
+        entries.sort(key=lambda e: e["path"])
+    rejected.sort(key=lambda r: (r["doc_id"], r["path"]))
+    reasons = Counter(r["reason"] for r in rejected)
+    report = {
+        "documents_read": read, "documents_kept": read - len(rejected), "documents_rejected": len(rejected),
+        "rejected_by_reason": dict(sorted(reasons.items())),
+        "duplicates_removed": reasons["duplicate_exact"] + reasons["duplicate_near"],
+        "tokens": sum(r["tokens"] for r in packed), "tokens_dropped_at_packing": sum(r["dropped_tokens"] for r in packed),
+        "shards": sum(len(v) for v in splits.values()),
+        "samples": {s: sum(e["samples"] for e in v) for s, v in splits.items()},
+    }
+    if not splits["train"]:
+        raise ConfigError(f"no training data left: {report['documents_rejected']} of {read} documents rejected ({dict(reasons)}); see the thresholds under prepare.*")
+    sfs, sroot = fsspec.core.url_to_fs(staging, **storage)
+    sfs.makedirs(sroot, exist_ok=True)
+    sfs.pipe_file(posixpath.join(sroot, "quarantine.jsonl"), "".join(json.dumps(r) + "\n" for r in rejected).encode())
+    sfs.pipe_file(posixpath.join(sroot, "report.json"), json.dumps(report, indent=1).encode())
+    write_manifest(staging, seq_len=cfg.model.seq_len, dtype="uint8", vocab_size=tokenizer.VOCAB_SIZE, tokenizer="bytes",
+                   splits=splits, source={"kind": "prepare", "prepare": cfg.prepare.model_dump(), "report": "report.json"}, storage=storage)
+    if staging != out:
+        if fs.exists(root):
+            shutil.rmtree(root)  # only reached with --overwrite
+        Path(staging).rename(root)
+    return report
+
+
+def _quarantine(docs, duplicates: dict[int, tuple[str, int]]) -> list[dict]:
+    """Every rejected document with its source and reason (duplicates name the copy they repeat)."""
+    originals = {of for _, of in duplicates.values()}
+    wanted = docs.filter(lambda r: r["reason"] is not None or r["doc_id"] in duplicates or r["doc_id"] in originals)
+    rows = {r["doc_id"]: r for r in wanted.select_columns(["doc_id", "path", "row", "reason", "detail"]).take_all()}
+    out = []
+    for doc_id, r in rows.items():
+        if r["reason"] is None and doc_id not in duplicates:
+            continue  # an original that was kept
+        reason, detail = r["reason"], r["detail"]
+        if reason is None:
+            reason, of = duplicates[doc_id]
+            detail = f"duplicate of {rows[of]['path']} row {rows[of]['row']}"
+        out.append({"doc_id": int(doc_id), "path": r["path"], "row": int(r["row"]), "reason": reason, "detail": detail})
+    return out

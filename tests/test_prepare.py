@@ -1,0 +1,118 @@
+"""`etrain prepare` end to end on a real local Ray (Ray Data) and a local S3 server."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from app.cli import main
+from app.config import load_config
+from app.job import new_run_dir, train
+from pipelines.shards import ShardReader
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+WORDS = (
+    "the of and to in is was for on that with as by at from his her they be this have are not but had which one were all "
+    "their there been has when who will more no if out so said what up its about into than them can only other new some "
+    "could time these two may then do first any my now such like our over man even most made after also did many before "
+    "must through back years where much your way well down should because each just those people how too little state good"
+).split()
+
+
+def prose(rng: random.Random, words: int) -> str:
+    text = [rng.choice(WORDS) for _ in range(words)]
+    return "\n".join(" ".join(text[i : i + 12]) for i in range(0, words, 12)).capitalize() + "."
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> Path:
+    """Twelve prose documents plus one of each kind of bad input, in three formats."""
+    rng = random.Random(0)
+    root = tmp_path_factory.mktemp("src")
+    docs = root / "docs"
+    docs.mkdir()
+    base = [prose(rng, 300) for _ in range(12)]
+    for i, text in enumerate(base):
+        (docs / f"d{i:02d}.txt").write_text(text)
+    (docs / "copy.txt").write_text(base[3])  # exact duplicate
+    near = base[5].split(" ")
+    near[40], near[150] = "zebra", "quagga"
+    (docs / "near.txt").write_text(" ".join(near))  # ~0.93 Jaccard on word 5-grams
+    (docs / "blob.bin").write_bytes(bytes(range(256)) * 40)
+    (docs / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 100)
+    (docs / "symbols.txt").write_text("#$%^ 1234 &*() 5678 " * 60)
+    (docs / "lines.txt").write_text("buy now and save big today\n" * 50)
+    (docs / "short.txt").write_text("too short")
+    (root / "more.jsonl").write_text("\n".join(json.dumps({"body": prose(rng, 250)}) for _ in range(5)) + "\n{not json}\n" + json.dumps({"other": 1}) + "\n")
+    pq.write_table(pa.table({"content": [prose(rng, 280) for _ in range(4)]}), root / "table.parquet")
+    return root
+
+
+def run_prepare(sources: Path, out: str, *extra: str) -> int:
+    args = [str(sources / "docs"), str(sources / "more.jsonl"), str(sources / "table.parquet"), str(sources / "missing.txt")]
+    return main(["prepare", *args, "--out", out, "--field", "body", "--column", "content",
+                 "--set", "data.eval_fraction=0.25", "--set", "data.shard_bytes=8000", *extra])
+
+
+@pytest.fixture(scope="module")
+def prepared(sources, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("prepared") / "out"
+    assert run_prepare(sources, str(out)) == 0
+    return out
+
+
+def test_prepare_accounts_for_every_document(prepared):
+    out = prepared
+    report = json.loads((out / "report.json").read_text())
+    quarantine = [json.loads(line) for line in (out / "quarantine.jsonl").read_text().splitlines()]
+    assert report["rejected_by_reason"] == {
+        "binary": 1, "duplicate_exact": 1, "duplicate_near": 1, "invalid_json": 1, "invalid_utf8": 1,
+        "no_text_in_body": 1, "repeated_lines": 1, "symbols_digits": 1, "too_short": 1, "unreadable": 1,
+    }
+    # 19 files in docs/ + 7 JSONL lines + 4 Parquet rows + 1 missing argument
+    assert report["documents_read"] == 31 == report["documents_kept"] + report["documents_rejected"]
+    assert len(quarantine) == report["documents_rejected"]
+    by_reason = {q["reason"]: q for q in quarantine}
+    assert by_reason["duplicate_exact"]["path"].endswith("d03.txt") and "copy.txt" in by_reason["duplicate_exact"]["detail"]
+    assert by_reason["duplicate_near"]["path"].endswith("near.txt") and "d05.txt" in by_reason["duplicate_near"]["detail"]
+    assert by_reason["unreadable"]["path"].endswith("missing.txt")
+    manifest = json.loads((out / "manifest.json").read_text())
+    logical = {e["logical"] for e in manifest["splits"]["train"]["shards"]}
+    assert {"docs.short", "more.short", "table.short"} & logical and len(manifest["splits"]["train"]["shards"]) >= 3
+    reader = ShardReader(str(out / "manifest.json"), "train")
+    assert len(reader) == report["samples"]["train"] > 0
+
+
+def test_prepare_is_deterministic_and_never_overwrites(sources, prepared, tmp_path, capsys):
+    again = tmp_path / "again"
+    assert run_prepare(sources, str(again)) == 0
+    assert json.loads((again / "manifest.json").read_text())["splits"] == json.loads((prepared / "manifest.json").read_text())["splits"]
+    before = (again / "manifest.json").read_bytes()
+    capsys.readouterr()
+    assert run_prepare(sources, str(again)) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (again / "manifest.json").read_bytes() == before
+    (again / "stale.parquet").write_bytes(b"old")
+    assert run_prepare(sources, str(again), "--overwrite") == 0
+    assert not (again / "stale.parquet").exists() and (again / "manifest.json").read_bytes() == before
+
+
+def test_prepare_and_train_on_s3(sources, s3_bucket, make_cfg, tmp_path):
+    fs = fsspec.filesystem("s3")
+    fs.put(str(sources) + "/", f"{s3_bucket}/raw/", recursive=True)
+    out = f"{s3_bucket}/corpus"
+    args = [f"{s3_bucket}/raw/docs", f"{s3_bucket}/raw/more.jsonl", f"{s3_bucket}/raw/table.parquet"]
+    assert main(["prepare", *args, "--out", out, "--field", "body", "--column", "content",
+                 "--set", "data.eval_fraction=0.25", "--set", "data.shard_bytes=8000"]) == 0
+    report = json.loads(fs.cat(f"{out}/report.json"))
+    assert report["documents_read"] == report["documents_kept"] + report["documents_rejected"] == 30
+    cfg = make_cfg(f"data.source={out}/manifest.json", "train.steps=4", "train.global_batch=8", "checkpoint.every=2")
+    summary = train(cfg, new_run_dir(cfg), progress=False)
+    assert summary["steps"] == 4 and summary["final_loss"] < summary["first_loss"]
