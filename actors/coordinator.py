@@ -98,8 +98,7 @@ class Coordinator:
         """Take the next global batch, split it over the workers, commit when all finished."""
         cfg = self.cfg.train
         started = time.perf_counter()
-        ids = order.take(self.layout, self.cursor, cfg.global_batch)
-        shares = order.split(ids, [1.0] * len(self.workers))
+        shares = order.plan_step(self.layout, self.cursor, cfg.global_batch, [1.0] * len(self.workers))
         steps = [w.train_step.remote(self.step, s, cfg.global_batch, self.cursor) for w, s in zip(self.workers, shares)]
         results = self._gather(steps, "train step")
         elapsed = time.perf_counter() - started

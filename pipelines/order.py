@@ -85,6 +85,11 @@ def shards_ahead(layout: Layout, cursor: int, horizon: int) -> list[int]:
     return ahead
 
 
+def plan_step(layout: Layout, cursor: int, global_batch: int, weights: list[float]) -> list[np.ndarray]:
+    """Each worker's sample ids for the step starting at `cursor`: the whole of what a step reads."""
+    return split(take(layout, cursor, global_batch), weights)
+
+
 def split_counts(total: int, weights: list[float]) -> list[int]:
     """Largest-remainder split of `total` proportional to `weights`, each share >= 1."""
     if total < len(weights):
