@@ -1,15 +1,21 @@
 """Coordinator: drives the workers and owns the global cursor, the step loop and the run's records.
 
 It runs as a Ray actor pinned to the driver's node (the run directory lives
-there). It never imports torch, so it starts in about a second while the
-workers (created by the driver, see `actors.worker.spawn`) import torch and
-build their models; checkpoint state reaches it as bytes. The driver only
-starts it and polls it for progress.
+there), named `etrain:RUN` so `etrain scale` and notebooks can reach it. The
+loop is the state machine of actors.control: observe, decide (pure), act.
+
+Each step is a transaction: the cursor advances only when the step's
+all-reduce completed on every member. Membership changes happen between
+steps and keep the live actors: lost workers are replaced from the warm pool,
+joiners get the state of a live peer, the group is re-formed under a new store
+prefix, and the remaining samples are re-split. No restart, no checkpoint load.
+
+The coordinator imports torch only to refill the warm pool, after start-up;
+checkpoint state reaches it as bytes.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
@@ -18,6 +24,8 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.control import Observation, State, next_state
+from actors.pool import WarmPool
 from app import checkpoint
 from app.config import Config
 from app.metrics import append_jsonl, truncate_after, write_json
@@ -28,18 +36,19 @@ from pipelines.shards import read_manifest
 
 log = logging.getLogger(__name__)
 
-
-class Phase(str, enum.Enum):
-    STARTING = "starting"
-    RUNNING = "running"
-    EVALUATING = "evaluating"
-    CHECKPOINTING = "checkpointing"
-    FINISHED = "finished"
-    FAILED = "failed"
+PING_S = 5.0  # a live worker answers `info` at once; one that does not is hung or gone
 
 
 class JobError(RuntimeError):
     """Training cannot go on; the message says why and what to do."""
+
+
+class StepFailed(Exception):
+    """A step did not complete on every member; `lost` are the members that are gone."""
+
+    def __init__(self, lost: list, committed: bool, since: float):
+        super().__init__(f"{len(lost)} worker(s) lost")
+        self.lost, self.committed, self.since = lost, committed, since
 
 
 class Coordinator:
@@ -57,34 +66,45 @@ class Coordinator:
         self.manifest = manifest
         self.caches: dict[str, object] = {}  # node id -> ShardCache actor
         self._fetched = {"fetched_bytes": 0, "fetched_shards": 0}
-        self.step = self.cursor = 0
+        self.pool = WarmPool(self.cfg, manifest)
+        # The pool's worker class brings torch: import it now, while the first workers start, not at the first refill.
+        threading.Thread(target=__import__, args=("actors.worker",), daemon=True).start()
+        self.step = self.cursor = self.saved_step = 0
         self.generation = 0
         self.workers = workers
-        self.phase = Phase.STARTING
+        self.target = len(workers)
+        self.lost: list = []
+        self.recoveries = 0
+        self.fired: set[int] = set()  # indexes into cfg.faults
+        self.phase = State.STARTING
+        self.first_step_at: float | None = None
+        self._pending_event: dict | None = None  # a membership change waiting for its first step
+        self._failed_since = 0.0
+        self._attached: set = set()  # workers reading through their node's cache
         self._lock = threading.Lock()
         self._events: list[dict] = []
 
-    # -- driver-facing ------------------------------------------------------
+    # -- driver- and user-facing ----------------------------------------------
 
     def run(self, resume: bool) -> dict:
         try:
-            self._form_group()
+            self._form(self.workers, reason="start")
             if resume:
                 self._restore()
-            first_step_at = None
-            while self.step < self.cfg.train.steps:
-                self._train_step()
-                first_step_at = first_step_at or time.time()
-                self._maybe_evaluate()
-                self._maybe_checkpoint()
-            summary = self._summary(first_step_at)
-            self.phase = Phase.FINISHED
-            return summary
+            self.saved_step = self.step
+            self.pool.refill()
+            handlers = {State.RUNNING: self._run_step, State.CHECKPOINTING: self._checkpoint,
+                        State.RESIZING: self._resize, State.RECOVERING: self._recover}
+            while (state := self._decide()) not in (State.FINISHED, State.FAILED):
+                handlers[state]()
+            if state == State.FAILED:
+                raise JobError(f"lost workers more than cluster.max_recoveries={self.recoveries} times; resume with `etrain train --resume {self.run_dir}`")
+            return self._summary()
         except Exception:
-            self.phase = Phase.FAILED
+            self.phase = State.FAILED
             raise
         finally:
-            self._stop_workers()
+            self._stop()
 
     def poll(self) -> tuple[str, list[dict]]:
         """Phase and the records produced since the last poll."""
@@ -92,25 +112,192 @@ class Coordinator:
             events, self._events = self._events, []
         return self.phase.value, events
 
-    # -- the loop -----------------------------------------------------------
+    def status(self) -> dict:
+        """Where the run stands (the Python API and `etrain scale` show this)."""
+        return {"phase": self.phase.value, "step": self.step, "world_size": len(self.workers), "target": self.target,
+                "warm_pool_ready": self.pool.ready(), "recoveries": self.recoveries, "generation": self.generation}
+
+    def request_scale(self, workers: int) -> None:
+        """Ask for `workers` members from the next step boundary on (manual trigger, policies)."""
+        if workers < 1 or workers > self.cfg.train.global_batch:
+            raise ValueError(f"workers must lie in [1, train.global_batch={self.cfg.train.global_batch}], got {workers}")
+        self.target = workers
+
+    # -- the loop ---------------------------------------------------------------
+
+    def _decide(self) -> State:
+        obs = Observation(
+            step=self.step, total_steps=self.cfg.train.steps, world=len(self.workers), target=self.target,
+            lost=len(self.lost), recoveries=self.recoveries, max_recoveries=self.cfg.cluster.max_recoveries,
+            checkpoint_due=self._due(self.cfg.checkpoint.every) and self.saved_step != self.step,
+        )
+        self.phase = next_state(self.phase, obs)
+        return self.phase
+
+    def _run_step(self) -> None:
+        try:
+            self._train_step()
+        except StepFailed as failed:
+            self.lost, self._failed_since = failed.lost, failed.since
+            if failed.committed:
+                self._commit(None, None)
+            return
+        self._maybe_evaluate()
 
     def _train_step(self) -> None:
         """Take the next global batch, split it over the workers, commit when all finished."""
         cfg = self.cfg.train
         started = time.perf_counter()
         shares = order.plan_step(self.layout, self.cursor, cfg.global_batch, [1.0] * len(self.workers))
-        steps = [w.train_step.remote(self.step, s, cfg.global_batch, self.cursor) for w, s in zip(self.workers, shares)]
-        results = self._gather(steps, "train step")
-        elapsed = time.perf_counter() - started
+        faults = self._faults_for(self.step + 1)
+        refs = [w.train_step.remote(self.step, s, cfg.global_batch, self.cursor, faults.get(rank))
+                for rank, (w, s) in enumerate(zip(self.workers, shares))]
+        results = self._collect(refs, started)
+        self._commit(results, time.perf_counter() - started)
+
+    def _commit(self, results: list[dict] | None, elapsed: float | None) -> None:
         self.step += 1
-        self.cursor += cfg.global_batch
-        tokens = cfg.global_batch * self.cfg.model.seq_len
-        self._record({
-            "kind": "train", "step": self.step, "loss": sum(r["loss"] for r in results), "lr": results[0]["lr"],
-            "grad_norm": results[0]["grad_norm"], "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-            "worker_s": max(r["compute_s"] for r in results), "world_size": len(self.workers),
-            "samples": self.cursor, "time": time.time(), **self._data_metrics([r["data"] for r in results]),
-        })
+        self.cursor += self.cfg.train.global_batch
+        self.first_step_at = self.first_step_at or time.time()
+        record = {"kind": "train", "step": self.step, "world_size": len(self.workers), "samples": self.cursor, "time": time.time()}
+        if results is not None:  # None: committed by survivors whose all-reduce had every share in it
+            tokens = self.cfg.train.global_batch * self.cfg.model.seq_len
+            record |= {
+                "loss": sum(r["loss"] for r in results), "lr": results[0]["lr"], "grad_norm": results[0]["grad_norm"],
+                "tokens_per_s": tokens / elapsed, "step_time_s": elapsed, "worker_s": max(r["compute_s"] for r in results),
+                **self._data_metrics([r["data"] for r in results]),
+            }
+        self._record(record)
+        if self._pending_event is not None:
+            event, self._pending_event = self._pending_event, None
+            event["phases"]["first_step"] = time.perf_counter() - event.pop("_started") - sum(event["phases"].values())
+            event["total_s"] = sum(event["phases"].values())
+            self._record(event)
+
+    def _collect(self, refs: list, started: float) -> list[dict]:
+        """Every member's result, or StepFailed naming the lost ones (dead, or hung past the timeouts)."""
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeouts.step_s)
+        results, errors = [], 0
+        for ref in refs:
+            try:
+                results.append(ray.get(ref, timeout=0) if ref in ready else None)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                results.append(None)
+                errors += 1
+        if not errors and not pending:
+            return results
+        lost = self._find_lost()
+        if not lost:
+            raise JobError(f"a step failed on live workers ({errors} errors, {len(pending)} timeouts); see the worker logs")
+        survivors_done = all(r is not None for w, r in zip(self.workers, results) if w not in lost)
+        raise StepFailed(lost, committed=survivors_done, since=started)
+
+    def _find_lost(self) -> list:
+        pings = {w: w.info.remote() for w in self.workers}
+        lost = []
+        for worker, ref in pings.items():
+            try:
+                ray.get(ref, timeout=PING_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                ray.kill(worker)  # a hung one would block the next group too
+                lost.append(worker)
+        return lost
+
+    def _faults_for(self, step: int) -> dict[int, str]:
+        due = {i: f for i, f in enumerate(self.cfg.faults) if f.step == step and i not in self.fired}
+        self.fired |= set(due)
+        return {f.rank: f.kind for f in due.values()}
+
+    # -- membership ---------------------------------------------------------------
+
+    def _recover(self) -> None:
+        started = self._failed_since  # "detect" spans the failed step, from its dispatch to the lost list
+        survivors = [w for w in self.workers if w not in self.lost]
+        self.recoveries += 1
+        self._change(survivors, self.target - len(survivors), reason="recover", lost=len(self.lost), started=started)
+        self.lost = []
+
+    def _resize(self) -> None:
+        started = time.perf_counter()
+        if self.target < len(self.workers):
+            keep, leaving = self.workers[: self.target], self.workers[self.target :]
+            ray.get([w.leave.remote() for w in leaving])
+            self.pool.give_back(leaving)
+            self._change(keep, 0, reason="scale-in", started=started)
+        else:
+            self._change(self.workers, self.target - len(self.workers), reason="scale-out", started=started)
+
+    def _change(self, members: list, joining: int, reason: str, started: float, lost: int = 0) -> None:
+        """Re-form the group as `members` plus `joining` workers from the pool; log each phase."""
+        phases = {"detect": time.perf_counter() - started}
+        t = time.perf_counter()
+        joiners, warm = self.pool.take(joining) if joining > 0 else ([], 0)
+        phases["acquire"] = time.perf_counter() - t
+        event = {"kind": "membership", "reason": reason, "step": self.step, "world_before": len(self.workers),
+                 "world_after": len(members) + len(joiners), "lost": lost, "warm_joiners": warm, "cold_joiners": len(joiners) - warm}
+        self._form(members + joiners, reason=reason, phases=phases)
+        self.pool.refill()
+        self._pending_event = {**event, "phases": phases, "_started": started}
+
+    def _form(self, members: list, reason: str, phases: dict | None = None) -> None:
+        """Make `members` the group at the current step: caches, state from a live peer, new generation."""
+        phases = phases if phases is not None else {}
+        t = time.perf_counter()
+        infos = self._gather([w.info.remote() for w in members], "worker start", self.cfg.timeouts.join_s)
+        fresh = [(w, i["node"]) for w, i in zip(members, infos) if w not in self._attached]
+        self._attach_caches([w for w, _ in fresh], [n for _, n in fresh])
+        behind = [w for w, i in zip(members, infos) if i["applied"] != self.step]
+        if behind and reason != "start":
+            source = next((w for w, i in zip(members, infos) if i["applied"] == self.step), None)
+            if source is None:
+                raise JobError(f"no live worker holds step {self.step}; resume from the last checkpoint with `etrain train --resume {self.run_dir}`")
+            state = source.state.remote()  # passed by reference: the object store carries it peer to peer
+            self._gather([w.load_state.remote(state, self.step) for w in behind], "state migration", self.cfg.timeouts.join_s)
+        phases["migrate"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self._gather([w.leave.remote() for w in members], "group exit", self.cfg.timeouts.join_s)
+        self.generation += 1
+        host, port = self._gather([members[0].host_store.remote()], "store start")[0]
+        joins = [w.join.remote(rank, len(members), host, port, self.generation) for rank, w in enumerate(members)]
+        self._gather(joins, "process group formation", self.cfg.timeouts.join_s)
+        phases["reform"] = time.perf_counter() - t
+        self.workers = members
+
+    def _attach_caches(self, workers: list, nodes: list[str]) -> None:
+        """One ShardCache per node that runs workers; each worker reads through its node's."""
+        data = self.cfg.data
+        for node in set(nodes) - set(self.caches):
+            here = NodeAffinitySchedulingStrategy(node, soft=False)
+            actor = ray.remote(ShardCache).options(num_cpus=0, max_concurrency=32, scheduling_strategy=here)
+            self.caches[node] = actor.remote(self.manifest, self.layout, data.cache_shards, data.node_cache_dir)
+        self._gather([w.attach_cache.remote(self.caches[n], self.layout) for w, n in zip(workers, nodes)], "cache attach")
+        self._attached |= set(workers)
+
+    def _restore(self) -> None:
+        ckpt = checkpoint.load_latest(self.ckpt_uri)
+        if ckpt is None:
+            log.warning("no committed checkpoint under %s: starting from step 0", self.ckpt_uri)
+            return
+        if ckpt.meta["config_hash"] != self.cfg.hash():
+            raise JobError(f"checkpoint {ckpt.path} was made by a different model/data/optimizer config; resume with the run's own config")
+        state = ray.put(ckpt.state)
+        self.step, self.cursor = ckpt.meta["step"], ckpt.meta["cursor"]
+        self._gather([w.load_state.remote(state, self.step) for w in self.workers], "state load", self.cfg.timeouts.join_s)
+        moved = truncate_after(self.run_dir / "metrics.jsonl", self.step)
+        self._record({"kind": "resume", "step": self.step, "path": ckpt.path, "records_redone": moved, "time": time.time()})
+
+    def _stop(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+        self.pool.close()
+        closing = [c.close.remote() for c in self.caches.values()]
+        ray.wait(closing, num_returns=len(closing), timeout=10)  # best effort: remove the cached files
+        for c in self.caches.values():
+            ray.kill(c)
+        self.caches = {}
+
+    # -- evaluation, checkpoints, records ----------------------------------------------
 
     def _data_metrics(self, per_worker: list[dict]) -> dict:
         """This step's data cost: slowest worker's wait, cache hits/misses, bytes fetched by the node caches."""
@@ -134,70 +321,19 @@ class Coordinator:
     def _maybe_evaluate(self) -> None:
         if not self._due(self.cfg.train.eval_every) or not len(self.eval_ids):
             return
-        self.phase = Phase.EVALUATING
         ids = self.eval_ids
         shares = order.split(ids, [1.0] * len(self.workers)) if len(ids) >= len(self.workers) else [ids]
         results = self._gather([w.evaluate.remote(s) for w, s in zip(self.workers, shares)], "evaluation")
         loss = sum(r[0] for r in results) / sum(r[1] for r in results)
         self._record({"kind": "eval", "step": self.step, "eval_loss": loss, "time": time.time()})
-        self.phase = Phase.RUNNING
 
-    def _maybe_checkpoint(self) -> None:
-        if not self._due(self.cfg.checkpoint.every):
-            return
-        self.phase = Phase.CHECKPOINTING
+    def _checkpoint(self) -> None:
         started = time.perf_counter()
         state = self._gather([self.workers[0].state.remote()], "checkpoint")[0]
         meta = {"cursor": self.cursor, "config_hash": self.cfg.hash(), "config": self.cfg.model_dump(), "world_size": len(self.workers)}
         path = checkpoint.save(self.ckpt_uri, self.step, state, meta, self.cfg.checkpoint.keep)
+        self.saved_step = self.step
         self._record({"kind": "checkpoint", "step": self.step, "path": path, "save_s": time.perf_counter() - started, "time": time.time()})
-        self.phase = Phase.RUNNING
-
-    # -- membership ---------------------------------------------------------
-
-    def _form_group(self) -> None:
-        infos = self._gather([w.info.remote() for w in self.workers], "worker start", self.cfg.timeouts.join_s)
-        self._attach_caches([info["node"] for info in infos])
-        self.generation += 1
-        host, port = self._gather([self.workers[0].host_store.remote()], "store start")[0]
-        world = len(self.workers)
-        joins = [w.join.remote(rank, world, host, port, self.generation) for rank, w in enumerate(self.workers)]
-        self._gather(joins, "process group formation", self.cfg.timeouts.join_s)
-        self.phase = Phase.RUNNING
-
-    def _attach_caches(self, nodes: list[str]) -> None:
-        """One ShardCache per node that runs workers; each worker reads through its node's."""
-        data = self.cfg.data
-        for node in set(nodes) - set(self.caches):
-            here = NodeAffinitySchedulingStrategy(node, soft=False)
-            actor = ray.remote(ShardCache).options(num_cpus=0, max_concurrency=32, scheduling_strategy=here)
-            self.caches[node] = actor.remote(self.manifest, self.layout, data.cache_shards, data.node_cache_dir)
-        self._gather([w.attach_cache.remote(self.caches[n], self.layout) for w, n in zip(self.workers, nodes)], "cache attach")
-
-    def _restore(self) -> None:
-        ckpt = checkpoint.load_latest(self.ckpt_uri)
-        if ckpt is None:
-            log.warning("no committed checkpoint under %s: starting from step 0", self.ckpt_uri)
-            return
-        if ckpt.meta["config_hash"] != self.cfg.hash():
-            raise JobError(f"checkpoint {ckpt.path} was made by a different model/data/optimizer config; resume with the run's own config")
-        state = ray.put(ckpt.state)
-        self._gather([w.load_state.remote(state) for w in self.workers], "state load", self.cfg.timeouts.join_s)
-        self.step, self.cursor = ckpt.meta["step"], ckpt.meta["cursor"]
-        moved = truncate_after(self.run_dir / "metrics.jsonl", self.step)
-        self._record({"kind": "resume", "step": self.step, "path": ckpt.path, "records_redone": moved, "time": time.time()})
-
-    def _stop_workers(self) -> None:
-        for w in self.workers:
-            ray.kill(w)
-        self.workers = []
-        closing = [c.close.remote() for c in self.caches.values()]
-        ray.wait(closing, num_returns=len(closing), timeout=10)  # best effort: remove the cached files
-        for c in self.caches.values():
-            ray.kill(c)
-        self.caches = {}
-
-    # -- helpers ------------------------------------------------------------
 
     def _gather(self, refs: list, what: str, timeout: float | None = None) -> list:
         timeout = timeout or self.cfg.timeouts.step_s
@@ -213,8 +349,7 @@ class Coordinator:
         with self._lock:
             self._events.append(record)
 
-    def _summary(self, first_step_at: float | None) -> dict:
-        summary = summarize(self.run_dir / "metrics.jsonl", self.cfg, self.started_at, first_step_at)
+    def _summary(self) -> dict:
+        summary = summarize(self.run_dir / "metrics.jsonl", self.cfg, self.started_at, self.first_step_at)
         write_json(self.run_dir / "summary.json", summary)
         return summary
-

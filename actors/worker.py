@@ -48,9 +48,11 @@ class TrainWorker:
         self.ddp: DDP | GPT | None = None
         self._store: dist.TCPStore | None = None
         self.rank, self.world = -1, 0
+        self.applied = 0  # optimizer steps in this worker's state: which step it can resume from
 
     def info(self) -> dict:
-        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "params": self.model.num_params()}
+        node = ray.get_runtime_context().get_node_id()
+        return {"pid": os.getpid(), "node": node, "params": self.model.num_params(), "applied": self.applied}
 
     def attach_cache(self, cache, layout: Layout) -> None:
         """Read training shards through this node's cache (one ShardCache actor per node)."""
@@ -77,7 +79,7 @@ class TrainWorker:
         # Alone, DDP would only copy gradients into buckets and back: measurably slower, nothing gained.
         self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None) if world > 1 else self.model
 
-    def train_step(self, step: int, ids: np.ndarray, global_batch: int, cursor: int) -> dict:
+    def train_step(self, step: int, ids: np.ndarray, global_batch: int, cursor: int, fault: str | None = None) -> dict:
         """This worker's share of one optimizer step: forward/backward, all-reduce, clip, update.
 
         Each sample's loss weighs 1/global_batch however the batch is split, and
@@ -85,6 +87,8 @@ class TrainWorker:
         update on the whole global batch for any split.
         """
         started = time.perf_counter()
+        if fault:
+            inject(fault)
         torch.manual_seed(step_seed(self.cfg.train.seed, step, self.rank))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -106,6 +110,7 @@ class TrainWorker:
         self.scaler.update()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
+        self.applied = step + 1
         return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": time.perf_counter() - started, "data": data}
 
     @torch.no_grad()
@@ -128,8 +133,10 @@ class TrainWorker:
             "scaler": self.scaler.state_dict(),
         })
 
-    def load_state(self, data: bytes) -> None:
+    def load_state(self, data: bytes, step: int) -> None:
+        """Take a checkpoint's or a live peer's state, which is at `step`."""
         state = deserialize(data)
+        self.applied = step
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -153,6 +160,14 @@ class TrainWorker:
             return nullcontext()
         dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
+
+
+def inject(fault: str) -> None:
+    """Failure injection (config `faults`): die like a lost node, or hang like a stuck one."""
+    if fault == "kill":
+        os._exit(1)
+    if fault == "hang":
+        time.sleep(10**6)
 
 
 def spawn(cfg: Config, manifest: str, count: int) -> list:

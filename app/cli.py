@@ -70,6 +70,13 @@ def _parse_option(item: str) -> tuple[str, str]:
     return key, value
 
 
+def cmd_scale(args, started_at: float) -> int:
+    from app import api
+
+    print(json.dumps(api.scale(args.run, args.workers)))
+    return 0
+
+
 def cmd_config(args, started_at: float) -> int:
     print(load_config(args.config, args.set).to_yaml(), end="")
     return 0
@@ -112,6 +119,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="fsspec option for s3:// (endpoint_url, key, secret ...); never logged")
     p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("scale", help="resize a running job at its next step boundary")
+    p.add_argument("run", help="the run directory (or its name)")
+    p.add_argument("--workers", type=int, required=True, help="workers wanted")
+    p.set_defaults(func=cmd_scale)
 
     p = sub.add_parser("config", help="print the resolved config")
     with_config(p)

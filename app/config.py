@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # What a resume may change: how, where and how long a run goes on; never the model, data or optimizer.
-RESUMABLE = ("train.steps", "train.eval_every", "train.eval_samples", "checkpoint", "cluster", "timeouts", "run", "prepare")
+RESUMABLE = ("train.steps", "train.eval_every", "train.eval_samples", "checkpoint", "cluster", "timeouts", "run", "prepare", "faults")
 
 
 class ConfigError(ValueError):
@@ -125,6 +125,8 @@ class ClusterConfig(Section):
     cpus_per_worker: int = Field(1, ge=1, description="also torch's thread count per worker")
     gpus_per_worker: float = Field(0, ge=0, description="> 0 trains on CUDA with NCCL")
     address: str | None = Field(None, description="Ray address; default RAY_ADDRESS or a new local instance")
+    warm_pool: int = Field(1, ge=0, description="built workers kept outside the group for joins and replacements")
+    max_recoveries: int = Field(3, ge=0, description="lost-worker recoveries before the job fails")
 
 
 class TimeoutConfig(Section):
@@ -151,6 +153,14 @@ class TimeoutConfig(Section):
         return self
 
 
+class Fault(Section):
+    """Failure injection for tests and drills: at `step` (1-based), worker `rank` dies or hangs."""
+
+    rank: int = Field(ge=0)
+    step: int = Field(ge=1)
+    kind: Literal["kill", "hang"] = "kill"
+
+
 class RunConfig(Section):
     root: str = Field("runs", description="parent directory of run directories")
     name: str | None = Field(None, description="run directory name; default a timestamp")
@@ -166,6 +176,7 @@ class Config(Section):
     cluster: ClusterConfig = ClusterConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     run: RunConfig = RunConfig()
+    faults: list[Fault] = Field([], description="injected failures (testing); see Fault")
 
     @model_validator(mode="after")
     def _cross_section(self) -> Config:

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm import tqdm
 
 from actors.coordinator import Coordinator
+from app.api import NAMESPACE
 from app.config import Config, ConfigError
 from pipelines.embedded import ensure_corpus
 from pipelines.shards import read_manifest
@@ -48,8 +49,12 @@ def resolve_data(cfg: Config) -> str:
 
 
 def connect(cfg: Config) -> None:
-    if not ray.is_initialized():
-        ray.init(address=cfg.cluster.address or os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
+    if ray.is_initialized():
+        return
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    # A local instance gets logical CPUs for every worker and the warm pool, even on a 2-core laptop.
+    cpus = None if address else max(os.cpu_count() or 1, cfg.cluster.cpus_per_worker * (cfg.cluster.num_workers + cfg.cluster.warm_pool))
+    ray.init(address=address, num_cpus=cpus, namespace=NAMESPACE, logging_level=logging.WARNING)
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, started_at: float | None = None, progress: bool = True) -> dict:
@@ -61,7 +66,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, started_at: float | 
         connect(cfg)
         workers = worker_module.result().spawn(cfg, manifest, cfg.cluster.num_workers)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=4, scheduling_strategy=here)
+    coordinator = ray.remote(Coordinator).options(name=f"etrain:{run_dir.name}", num_cpus=0, max_concurrency=4, scheduling_strategy=here)
     coordinator = coordinator.remote(cfg.model_dump(), str(run_dir), manifest, started_at, workers)
     try:
         done = coordinator.run.remote(resume)
@@ -85,10 +90,13 @@ def _follow(coordinator, done, cfg: Config, progress: bool) -> None:
             for e in events:
                 if e["kind"] == "resume":
                     bar.n = e["step"]
-                elif e["kind"] == "train":
+                elif e["kind"] == "train" and e.get("loss") is not None:
                     bar.update(e["step"] - bar.n)
                     bar.set_postfix(loss=f"{e['loss']:.3f}", tok_s=f"{e['tokens_per_s']:.0f}", world=e["world_size"])
                 elif e["kind"] == "eval":
                     bar.write(f"step {e['step']}: eval loss {e['eval_loss']:.4f}")
+                elif e["kind"] == "membership":
+                    phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in e["phases"].items())
+                    bar.write(f"step {e['step']}: {e['reason']} {e['world_before']} -> {e['world_after']} workers in {e['total_s']:.2f} s ({phases})")
             if finished:
                 return

@@ -11,20 +11,22 @@ from app.metrics import read_jsonl
 
 def summarize(metrics_path: Path, cfg: Config, started_at: float, first_step_at: float | None) -> dict:
     records = read_jsonl(metrics_path)
-    train = [r for r in records if r["kind"] == "train"]
+    # A step committed by survivors of a lost worker has no complete loss: it counts, but is not averaged.
+    steps = [r for r in records if r["kind"] == "train"]
+    train = [r for r in steps if r.get("loss") is not None]
     evals = [r for r in records if r["kind"] == "eval"]
     steady = train[1:] or train  # the first step pays for warm-up (allocations, gloo buffers)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     return {
-        "steps": train[-1]["step"] if train else 0,
-        "samples": train[-1]["samples"] if train else 0,
-        "tokens": (train[-1]["step"] if train else 0) * tokens_per_step,
+        "steps": steps[-1]["step"] if steps else 0,
+        "samples": steps[-1]["samples"] if steps else 0,
+        "tokens": (steps[-1]["step"] if steps else 0) * tokens_per_step,
         "first_loss": train[0]["loss"] if train else None,
         "final_loss": train[-1]["loss"] if train else None,
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
         "tokens_per_s": tokens_per_step * len(steady) / sum(r["step_time_s"] for r in steady) if steady else None,
         "wall_s": time.time() - started_at,
         "startup_s": first_step_at - started_at if first_step_at else None,
-        "world_size": train[-1]["world_size"] if train else cfg.cluster.num_workers,
+        "world_size": steps[-1]["world_size"] if steps else cfg.cluster.num_workers,
         "config_hash": cfg.hash(),
     }

@@ -61,15 +61,23 @@ def data_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("data"))
 
 
-@pytest.fixture
-def make_cfg(data_dir, tmp_path):
-    """The tiny preset on a small corpus with several shards, writing under tmp_path."""
-
+def _cfg_maker(data_dir: str, root) -> callable:
     def make(*overrides: str) -> Config:
         base = [
             f"data.cache_dir={data_dir}", "data.corpus_bytes=1500000", "data.shard_bytes=200000",
-            f"run.root={tmp_path / 'runs'}", "train.steps=8", "train.eval_every=4", "checkpoint.every=4",
+            f"run.root={root / 'runs'}", "train.steps=8", "train.eval_every=4", "checkpoint.every=4",
         ]
         return load_config("tiny", [*base, *overrides])
 
     return make
+
+
+@pytest.fixture
+def make_cfg(data_dir, tmp_path):
+    """The tiny preset on a small corpus with several shards, writing under tmp_path."""
+    return _cfg_maker(data_dir, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def make_cfg_module(data_dir, tmp_path_factory):
+    return _cfg_maker(data_dir, tmp_path_factory.mktemp("module"))

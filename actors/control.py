@@ -1,0 +1,49 @@
+"""The coordinator's control plane: an explicit state enum and a pure transition function.
+
+Ray Train v2's controller is the model: the loop observes, `next_state` decides,
+a handler per state acts. Deciding is pure, so every path (failure, resize,
+checkpoint, give-up) is unit-tested without Ray.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class State(str, enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"  # the next step runs at the current membership
+    RESIZING = "resizing"  # a step boundary where workers join or leave
+    RECOVERING = "recovering"  # a step failed: replace the lost workers, re-form, redo the step
+    CHECKPOINTING = "checkpointing"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the coordinator knows at a step boundary."""
+
+    step: int
+    total_steps: int
+    world: int
+    target: int  # the world size wanted (manual request or autoscaling policy)
+    lost: int = 0  # workers lost in the last step
+    recoveries: int = 0  # recoveries so far
+    max_recoveries: int = 3
+    checkpoint_due: bool = False
+
+
+def next_state(state: State, obs: Observation) -> State:
+    if state in (State.FINISHED, State.FAILED):
+        return state
+    if obs.lost:
+        return State.RECOVERING if obs.recoveries < obs.max_recoveries else State.FAILED
+    if obs.checkpoint_due:
+        return State.CHECKPOINTING
+    if obs.step >= obs.total_steps:
+        return State.FINISHED
+    if obs.target != obs.world:
+        return State.RESIZING
+    return State.RUNNING
