@@ -67,8 +67,9 @@ class Coordinator:
         self.caches: dict[str, object] = {}  # node id -> ShardCache actor
         self._fetched = {"fetched_bytes": 0, "fetched_shards": 0}
         self.pool = WarmPool(self.cfg, manifest)
-        # The pool's worker class brings torch: import it now, while the first workers start, not at the first refill.
-        threading.Thread(target=__import__, args=("actors.worker",), daemon=True).start()
+        if self.cfg.cluster.warm_pool:
+            # The pool's worker class brings torch: import it now, while the first workers start, not at the first refill.
+            threading.Thread(target=__import__, args=("actors.worker",), daemon=True).start()
         self.step = self.cursor = self.saved_step = 0
         self.generation = 0
         self.workers = workers

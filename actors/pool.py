@@ -20,10 +20,10 @@ class WarmPool:
 
     def refill(self) -> None:
         """Top up to `cluster.warm_pool` without waiting for the new actors to start."""
-        from actors.worker import spawn  # brings torch; the coordinator pays it once, after start-up
-
         missing = self.cfg.cluster.warm_pool - len(self.idle)
         if missing > 0:
+            from actors.worker import spawn  # brings torch: only a coordinator with a pool pays for it
+
             self.idle += spawn(self.cfg, self.manifest, missing)
 
     def take(self, count: int) -> tuple[list, int]:

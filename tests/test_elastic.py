@@ -15,7 +15,7 @@ from app.metrics import read_jsonl
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
-FAST = ["train.eval_every=0", "checkpoint.every=0", "timeouts.collective_s=5", "timeouts.step_s=15", "timeouts.join_s=60"]
+FAST = ["cluster.warm_pool=1", "train.eval_every=0", "checkpoint.every=0", "timeouts.collective_s=5", "timeouts.step_s=15", "timeouts.join_s=60"]
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
