@@ -1,8 +1,8 @@
 """Training worker: one Ray actor, one model replica, one rank of the process group.
 
 A worker is built (torch imported, model and optimizer made, data opened)
-before it joins a process group, so joining is cheap; the elasticity work
-keeps such workers warm in a pool.
+before it joins a process group, so joining is cheap: the coordinator keeps
+such workers warm in a pool (actors/pool.py) and re-forms groups of live ones.
 """
 
 from __future__ import annotations
