@@ -36,7 +36,7 @@ from pipelines.shards import read_manifest
 
 log = logging.getLogger(__name__)
 
-PING_S = 5.0  # a live worker answers `info` at once; one that does not is hung or gone
+PING_S = 2.0  # a live worker answers `info` at once; one that does not is hung or gone
 
 
 class JobError(RuntimeError):
@@ -176,21 +176,27 @@ class Coordinator:
             self._record(event)
 
     def _collect(self, refs: list, started: float) -> list[dict]:
-        """Every member's result, or StepFailed naming the lost ones (dead, or hung past the timeouts)."""
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeouts.step_s)
-        results, errors = [], 0
-        for ref in refs:
-            try:
-                results.append(ray.get(ref, timeout=0) if ref in ready else None)
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
-                results.append(None)
-                errors += 1
-        if not errors and not pending:
-            return results
+        """Every member's result, or StepFailed naming the lost ones (dead, or hung past the timeouts).
+
+        The first error ends the wait: survivors of a dead or hung peer fail their all-reduce within
+        `timeouts.collective_s`, so nobody waits out `timeouts.step_s` for a worker that is gone.
+        """
+        results: dict = {}
+        pending, failed = list(refs), False
+        deadline = time.perf_counter() + self.cfg.timeouts.step_s
+        while pending and not failed and time.perf_counter() < deadline:
+            done, pending = ray.wait(pending, num_returns=1, timeout=deadline - time.perf_counter())
+            for ref in done:
+                try:
+                    results[ref] = ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                    failed = True
+        if not failed and not pending:
+            return [results[r] for r in refs]
         lost = self._find_lost()
         if not lost:
-            raise JobError(f"a step failed on live workers ({errors} errors, {len(pending)} timeouts); see the worker logs")
-        survivors_done = all(r is not None for w, r in zip(self.workers, results) if w not in lost)
+            raise JobError("a step failed on live workers; see the worker logs")
+        survivors_done = all(ref in results for w, ref in zip(self.workers, refs) if w not in lost)
         raise StepFailed(lost, committed=survivors_done, since=started)
 
     def _find_lost(self) -> list:

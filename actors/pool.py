@@ -24,7 +24,10 @@ class WarmPool:
         if missing > 0:
             from actors.worker import spawn  # brings torch: only a coordinator with a pool pays for it
 
-            self.idle += spawn(self.cfg, self.manifest, missing)
+            fresh = spawn(self.cfg, self.manifest, missing)
+            for w in fresh:
+                w.warm_up.remote()  # queued before any other call: "up" then means warmed up
+            self.idle += fresh
 
     def take(self, count: int) -> tuple[list, int]:
         """`count` workers: pool ones first (waiting for one still starting beats starting another), then cold ones.

@@ -54,6 +54,15 @@ class TrainWorker:
         node = ray.get_runtime_context().get_node_id()
         return {"pid": os.getpid(), "node": node, "params": self.model.num_params(), "applied": self.applied}
 
+    def warm_up(self) -> None:
+        """One forward/backward on a dummy batch, so a pool worker's first real step runs at full
+        speed (kernel selection, allocator, autograd threads); its state is untouched."""
+        idx = torch.zeros((self.cfg.train.micro_batch, self.cfg.model.seq_len), dtype=torch.long, device=self.device)
+        with self._autocast():
+            _, loss = self.model(idx, idx)
+        loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
     def attach_cache(self, cache, layout: Layout) -> None:
         """Read training shards through this node's cache (one ShardCache actor per node)."""
         if self.train_data is not None:

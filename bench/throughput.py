@@ -37,6 +37,15 @@ def overrides(args, workers: int, cpus: int) -> list[str]:
     ]
 
 
+def layout_of(manifest: str, cfg):
+    """The same global sample order as ours (pipelines.order)."""
+    from pipelines import order
+    from pipelines.shards import read_manifest
+
+    sizes = tuple(s["samples"] for s in read_manifest(manifest)["splits"]["train"]["shards"])
+    return order.Layout(cfg.train.seed, sizes, cfg.data.shuffle_shards)
+
+
 def steady_tokens_per_s(times: list[float], tokens_per_step: int) -> float:
     return tokens_per_step * (len(times) - 1 - WARMUP) / (times[-1] - times[WARMUP])
 
@@ -57,14 +66,16 @@ def run_plain(args) -> list[float]:
 
     cfg = load_config("tiny", overrides(args, 1, args.cpus))
     torch.set_num_threads(args.cpus)
-    reader = ShardReader(ensure_corpus(cfg), "train")
+    manifest = ensure_corpus(cfg)
+    reader = ShardReader(manifest, "train")
+    layout = layout_of(manifest, cfg)
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model)
     optimizer = make_optimizer(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
     times = []
     for step in range(cfg.train.steps):
-        ids = order.take(cfg.train.seed, len(reader), step * cfg.train.global_batch, cfg.train.global_batch)
+        ids = order.take(layout, step * cfg.train.global_batch, cfg.train.global_batch)
         rows = torch.from_numpy(reader.get(ids).astype(np.int64))
         optimizer.zero_grad(set_to_none=True)
         _, loss = model(rows[:, :-1], rows[:, 1:])
@@ -93,13 +104,14 @@ def ray_train_loop(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(cfg.cluster.cpus_per_worker)
     reader = ShardReader(config["manifest"], "train")
+    layout = layout_of(config["manifest"], cfg)
     torch.manual_seed(cfg.train.seed)
     model = ray.train.torch.prepare_model(GPT(cfg.model))
     optimizer = make_optimizer(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
     times = []
     for step in range(cfg.train.steps):
-        ids = order.take(cfg.train.seed, len(reader), step * cfg.train.global_batch, cfg.train.global_batch)
+        ids = order.take(layout, step * cfg.train.global_batch, cfg.train.global_batch)
         mine = torch.from_numpy(reader.get(order.split(ids, [1.0] * world)[rank]).astype(np.int64))
         optimizer.zero_grad(set_to_none=True)
         _, loss = model(mine[:, :-1], mine[:, 1:])

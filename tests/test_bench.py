@@ -1,0 +1,32 @@
+"""The benchmarks' own code paths, on tiny inputs, so a change elsewhere cannot silently break them."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_throughput_plain_variant_runs(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "throughput.py"), "--variant", "plain", "--steps", "8", "--layers", "1",
+         "--width", "64", "--batch", "4", "--cpus", "1", "--data", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    times = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(times) == 8 and times == sorted(times)
+
+
+def test_data_bench_direct_reader_delivers_every_row(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import data
+
+    manifest = data.make_shards(tmp_path, shards=3, shard_mb=1)
+    result = data.read_direct(manifest)
+    assert result["mb_per_s"] > 0
+    assert data.layout_of(manifest).num_samples == 3 * (2**20 // 129)
+    assert np.isfinite(result["mb_per_s"])
