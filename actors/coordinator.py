@@ -144,6 +144,13 @@ class Coordinator:
                 self._commit(None, None)
             return
         self._maybe_evaluate()
+        self._prepare_pool()
+
+    def _prepare_pool(self) -> None:
+        """Attach pool workers that finished warming up to their node's cache while they wait (not waited for)."""
+        for worker in self.pool.newly_ready():
+            node = ray.get(worker.info.remote(), timeout=PING_S)["node"]
+            self.pool.preparing[worker] = self._attach_caches([worker], [node], cursor=self.cursor, wait=False)[0]
 
     def _train_step(self) -> None:
         """Take the next global batch, split it over the workers, commit when all finished."""
@@ -182,20 +189,21 @@ class Coordinator:
         `timeouts.collective_s`, so nobody waits out `timeouts.step_s` for a worker that is gone.
         """
         results: dict = {}
-        pending, failed = list(refs), False
+        pending, failed = list(refs), None
         deadline = time.perf_counter() + self.cfg.timeouts.step_s
         while pending and not failed and time.perf_counter() < deadline:
             done, pending = ray.wait(pending, num_returns=1, timeout=deadline - time.perf_counter())
             for ref in done:
                 try:
                     results[ref] = ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
-                    failed = True
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                    failed = failed or e
         if not failed and not pending:
             return [results[r] for r in refs]
         lost = self._find_lost()
         if not lost:
-            raise JobError("a step failed on live workers; see the worker logs")
+            why = getattr(failed, "cause", failed) if failed else f"no result within timeouts.step_s={self.cfg.timeouts.step_s}"
+            raise JobError(f"step {self.step + 1} failed on live workers: {why}")
         survivors_done = all(ref in results for w, ref in zip(self.workers, refs) if w not in lost)
         raise StepFailed(lost, committed=survivors_done, since=started)
 
@@ -270,15 +278,18 @@ class Coordinator:
         phases["reform"] = time.perf_counter() - t
         self.workers = members
 
-    def _attach_caches(self, workers: list, nodes: list[str]) -> None:
+    def _attach_caches(self, workers: list, nodes: list[str], cursor: int | None = None, wait: bool = True) -> list:
         """One ShardCache per node that runs workers; each worker reads through its node's."""
         data = self.cfg.data
         for node in set(nodes) - set(self.caches):
             here = NodeAffinitySchedulingStrategy(node, soft=False)
             actor = ray.remote(ShardCache).options(num_cpus=0, max_concurrency=32, scheduling_strategy=here)
             self.caches[node] = actor.remote(self.manifest, self.layout, data.cache_shards, data.node_cache_dir)
-        self._gather([w.attach_cache.remote(self.caches[n], self.layout) for w, n in zip(workers, nodes)], "cache attach")
+        attached = [w.attach_cache.remote(self.caches[n], self.layout, cursor) for w, n in zip(workers, nodes)]
+        if wait:
+            self._gather(attached, "cache attach")
         self._attached |= set(workers)
+        return attached
 
     def _restore(self) -> None:
         ckpt = checkpoint.load_latest(self.ckpt_uri)

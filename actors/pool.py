@@ -17,6 +17,8 @@ class WarmPool:
     def __init__(self, cfg: Config, manifest: str):
         self.cfg, self.manifest = cfg, manifest
         self.idle: list = []
+        self.warming: dict = {}  # worker -> its warm_up call, until the coordinator prepares it
+        self.preparing: dict = {}  # worker -> its cache attach (the coordinator's), done = ready to join
 
     def refill(self) -> None:
         """Top up to `cluster.warm_pool` without waiting for the new actors to start."""
@@ -25,32 +27,47 @@ class WarmPool:
             from actors.worker import spawn  # brings torch: only a coordinator with a pool pays for it
 
             fresh = spawn(self.cfg, self.manifest, missing)
-            for w in fresh:
-                w.warm_up.remote()  # queued before any other call: "up" then means warmed up
+            self.warming |= {w: w.warm_up.remote() for w in fresh}  # queued first: "up" then means warmed up
             self.idle += fresh
+
+    def newly_ready(self) -> list:
+        """Pool workers that finished warming up since the last call."""
+        if not self.warming:
+            return []
+        done, _ = ray.wait(list(self.warming.values()), num_returns=len(self.warming), timeout=0)
+        ready = [w for w, ref in self.warming.items() if ref in done]
+        for w in ready:
+            del self.warming[w]
+        return ready
 
     def take(self, count: int) -> tuple[list, int]:
         """`count` workers: pool ones first (waiting for one still starting beats starting another), then cold ones.
 
-        Also returns how many were already up (answered within 0.2 s): the truly warm joins.
+        Also returns how many were fully prepared (see `ready`): the truly warm joins.
         """
         from actors.worker import spawn
 
+        refs = list(self.preparing.values())
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        self.idle.sort(key=lambda w: not (w in self.preparing and self.preparing[w] in done))  # prepared ones first
         chosen, self.idle = self.idle[:count], self.idle[count:]
-        chosen += spawn(self.cfg, self.manifest, count - len(chosen))
-        up, _ = ray.wait([w.info.remote() for w in chosen], num_returns=len(chosen), timeout=0.2)
-        return chosen, len(up)
+        prepared = [self.preparing.pop(w) for w in chosen if w in self.preparing]
+        for w in chosen:
+            self.warming.pop(w, None)
+        ready, _ = ray.wait(prepared, num_returns=len(prepared), timeout=0) if prepared else ([], [])
+        return chosen + spawn(self.cfg, self.manifest, count - len(chosen)), len(ready)
 
     def ready(self) -> int:
-        """Pool workers already started."""
-        if not self.idle:
-            return 0
-        up, _ = ray.wait([w.info.remote() for w in self.idle], num_returns=len(self.idle), timeout=0.2)
-        return len(up)
+        """Pool workers warmed up and attached to their node's cache: a join costs them no start-up."""
+        refs = list(self.preparing.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        return len(ready)
 
     def give_back(self, workers: list) -> None:
+        """Workers leaving the group: already warm and attached, they go straight back in."""
         room = max(0, self.cfg.cluster.warm_pool - len(self.idle))
         self.idle += workers[:room]
+        self.preparing |= {w: w.info.remote() for w in workers[:room]}
         for w in workers[room:]:
             ray.kill(w)
 

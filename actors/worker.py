@@ -22,7 +22,7 @@ from app.checkpoint import deserialize, serialize
 from app.config import Config
 from app.model import GPT
 from app.optim import make_optimizer, make_scheduler
-from pipelines.order import Layout
+from pipelines.order import Layout, take
 from pipelines.shards import ShardReader
 from pipelines.stream import StreamingReader
 
@@ -63,11 +63,16 @@ class TrainWorker:
         loss.backward()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def attach_cache(self, cache, layout: Layout) -> None:
-        """Read training shards through this node's cache (one ShardCache actor per node)."""
+    def attach_cache(self, cache, layout: Layout, cursor: int | None = None) -> None:
+        """Read training shards through this node's cache (one ShardCache actor per node).
+
+        With `cursor` (a pool worker waiting to join), open the shard read there now, so the
+        first step after joining does not pay for the first call to the cache."""
         if self.train_data is not None:
             self.train_data.close()
         self.train_data = StreamingReader(self.manifest, layout, cache)
+        if cursor is not None:
+            self.train_data.get(take(layout, cursor, 1), cursor)
 
     def host_store(self) -> tuple[str, int]:
         """Serve the TCPStore the group meets at (rank 0 of a generation does this)."""
