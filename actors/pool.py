@@ -41,27 +41,26 @@ class WarmPool:
         return ready
 
     def take(self, count: int) -> tuple[list, int]:
-        """`count` workers: pool ones first (waiting for one still starting beats starting another), then cold ones.
-
-        Also returns how many were fully prepared (see `ready`): the truly warm joins.
-        """
+        """`count` workers: pool ones first, prepared ones first among them (waiting for one still
+        starting beats starting another), then cold ones. Also returns how many were prepared."""
         from actors.worker import spawn
 
-        refs = list(self.preparing.values())
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
-        self.idle.sort(key=lambda w: not (w in self.preparing and self.preparing[w] in done))  # prepared ones first
+        prepared = self._prepared()
+        self.idle.sort(key=lambda w: w not in prepared)
         chosen, self.idle = self.idle[:count], self.idle[count:]
-        prepared = [self.preparing.pop(w) for w in chosen if w in self.preparing]
         for w in chosen:
+            self.preparing.pop(w, None)
             self.warming.pop(w, None)
-        ready, _ = ray.wait(prepared, num_returns=len(prepared), timeout=0) if prepared else ([], [])
-        return chosen + spawn(self.cfg, self.manifest, count - len(chosen)), len(ready)
+        return chosen + spawn(self.cfg, self.manifest, count - len(chosen)), sum(w in prepared for w in chosen)
 
     def ready(self) -> int:
         """Pool workers warmed up and attached to their node's cache: a join costs them no start-up."""
+        return len(self._prepared())
+
+    def _prepared(self) -> list:
         refs = list(self.preparing.values())
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
-        return len(ready)
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        return [w for w, ref in self.preparing.items() if ref in done]
 
     def give_back(self, workers: list) -> None:
         """Workers leaving the group: already warm and attached, they go straight back in."""
