@@ -12,7 +12,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.cli import main
-from app.config import load_config
 from app.job import new_run_dir, train
 from pipelines.shards import ShardReader
 

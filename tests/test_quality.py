@@ -1,6 +1,5 @@
 import random
 
-import numpy as np
 import pytest
 
 from app.config import load_config
