@@ -33,6 +33,7 @@ class Observation:
     recoveries: int = 0  # recoveries so far
     max_recoveries: int = 3
     checkpoint_due: bool = False
+    evict: int = 0  # members on nodes being drained (a preemption notice): they leave at this boundary
 
 
 def next_state(state: State, obs: Observation) -> State:
@@ -44,6 +45,17 @@ def next_state(state: State, obs: Observation) -> State:
         return State.CHECKPOINTING
     if obs.step >= obs.total_steps:
         return State.FINISHED
-    if obs.target != obs.world:
+    if obs.target != obs.world or obs.evict:
         return State.RESIZING
     return State.RUNNING
+
+
+def autoscale(world: int, free_slots: int, ready: int, max_workers: int) -> int:
+    """The autoscaling policy's world size: grow onto free worker slots, one ready (warm) pool
+    worker per slot, up to max_workers. It never shrinks a job: scale-in is asked for
+    (`etrain scale`) or forced (a preemption notice drains a node).
+
+    A free slot is room for a worker beyond the warm pool, so the pool stays whole
+    as a reserve for failures; a joiner must be ready, so growing costs seconds.
+    """
+    return max(world, min(max_workers, world + min(free_slots, ready)))

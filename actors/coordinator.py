@@ -10,8 +10,10 @@ steps and keep the live actors: lost workers are replaced from the warm pool,
 joiners get the state of a live peer, the group is re-formed under a new store
 prefix, and the remaining samples are re-split. No restart, no checkpoint load.
 
-The coordinator imports torch only to refill the warm pool, after start-up;
-checkpoint state reaches it as bytes.
+The worker module (torch) is imported first, at module load: receiving worker
+handles makes Ray load their class anyway, and a torch load racing other
+threads' imports in this process crashed it (oneMKL "Cannot load libtorch_cpu.so").
+Checkpoint state reaches the coordinator as bytes.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.control import Observation, State, next_state
+from actors.control import Observation, State, autoscale, next_state
 from actors.pool import WarmPool
+from actors.worker import spawn
 from app import checkpoint
 from app.config import Config
 from app.metrics import append_jsonl, truncate_after, write_json
@@ -37,6 +40,7 @@ from pipelines.shards import read_manifest
 log = logging.getLogger(__name__)
 
 PING_S = 2.0  # a live worker answers `info` at once; one that does not is hung or gone
+WATCH_S = 1.0  # how often the cluster is looked at: preemption notices, free room for autoscaling
 
 
 class JobError(RuntimeError):
@@ -66,14 +70,16 @@ class Coordinator:
         self.manifest = manifest
         self.caches: dict[str, object] = {}  # node id -> ShardCache actor
         self._fetched = {"fetched_bytes": 0, "fetched_shards": 0}
-        self.pool = WarmPool(self.cfg, manifest)
-        if self.cfg.cluster.warm_pool:
-            # The pool's worker class brings torch: import it now, while the first workers start, not at the first refill.
-            threading.Thread(target=__import__, args=("actors.worker",), daemon=True).start()
+        self.pool = WarmPool(self.cfg, manifest, spawn)
         self.step = self.cursor = self.saved_step = 0
         self.generation = 0
         self.workers = workers
-        self.target = len(workers)
+        self.wanted = len(workers)  # asked for by `etrain scale` or the autoscaling policy
+        self.autoscaling = self.cfg.cluster.max_workers is not None
+        self.nodes: dict = {}  # worker -> node id, for members and prepared pool workers
+        self.pids: dict = {}  # worker -> process id, for members (status shows where each rank runs)
+        self.draining: set[str] = set()  # nodes with a preemption notice
+        self._next_watch = 0.0
         self.lost: list = []
         self.recoveries = 0
         self.fired: set[int] = set()  # indexes into cfg.faults
@@ -93,7 +99,7 @@ class Coordinator:
             if resume:
                 self._restore()
             self.saved_step = self.step
-            self.pool.refill()
+            self._refill()
             handlers = {State.RUNNING: self._run_step, State.CHECKPOINTING: self._checkpoint,
                         State.RESIZING: self._resize, State.RECOVERING: self._recover}
             while (state := self._decide()) not in (State.FINISHED, State.FAILED):
@@ -115,25 +121,65 @@ class Coordinator:
 
     def status(self) -> dict:
         """Where the run stands (the Python API and `etrain scale` show this)."""
-        return {"phase": self.phase.value, "step": self.step, "world_size": len(self.workers), "target": self.target,
-                "warm_pool_ready": self.pool.ready(), "recoveries": self.recoveries, "generation": self.generation}
+        members = [{"rank": r, "node": self.nodes.get(w), "pid": self.pids.get(w)} for r, w in enumerate(self.workers)]
+        return {"phase": self.phase.value, "step": self.step, "world_size": len(self.workers), "wanted": self.wanted,
+                "autoscaling": self.autoscaling, "warm_pool_ready": self.pool.ready(), "warm_pool_size": len(self.pool.idle),
+                "recoveries": self.recoveries, "generation": self.generation, "draining_nodes": sorted(self.draining),
+                "members": members}
 
     def request_scale(self, workers: int) -> None:
-        """Ask for `workers` members from the next step boundary on (manual trigger, policies)."""
-        if workers < 1 or workers > self.cfg.train.global_batch:
-            raise ValueError(f"workers must lie in [1, train.global_batch={self.cfg.train.global_batch}], got {workers}")
-        self.target = workers
+        """Ask for `workers` members; they join at step boundaries as ready workers allow.
+        A manual request pins the size: the autoscaling policy stops for this run."""
+        most = self.cfg.train.global_batch if self.cfg.train.batch_scaling == "constant" else 10**6
+        if workers < 1 or workers > most:
+            raise ValueError(f"workers must lie in [1, train.global_batch={most}], got {workers}")
+        self.wanted, self.autoscaling = workers, False
 
     # -- the loop ---------------------------------------------------------------
 
     def _decide(self) -> State:
+        self._watch_cluster()
         obs = Observation(
-            step=self.step, total_steps=self.cfg.train.steps, world=len(self.workers), target=self.target,
+            step=self.step, total_steps=self.cfg.train.steps, world=len(self.workers), target=self._target(),
             lost=len(self.lost), recoveries=self.recoveries, max_recoveries=self.cfg.cluster.max_recoveries,
             checkpoint_due=self._due(self.cfg.checkpoint.every) and self.saved_step != self.step,
+            evict=sum(self.nodes.get(w) in self.draining for w in self.workers),
         )
         self.phase = next_state(self.phase, obs)
         return self.phase
+
+    def _target(self) -> int:
+        """The world size the next step boundary can reach: shrinking at once, growing by ready pool workers only."""
+        world = len(self.workers)
+        return self.wanted if self.wanted <= world else world + min(self.wanted - world, self.pool.ready())
+
+    def _watch_cluster(self) -> None:
+        """Preemption notices (nodes being drained) and, when autoscaling, room for more workers."""
+        if time.monotonic() < self._next_watch:
+            return
+        self._next_watch = time.monotonic() + WATCH_S
+        self.draining = draining_nodes()
+        self.pool.drop([w for w in self.pool.idle if self.nodes.get(w) in self.draining])
+        self._refill()
+        if self.autoscaling:
+            before, world = self.wanted, len(self.workers)
+            self.wanted = autoscale(world, self._free_slots(), self.pool.ready(), self.cfg.cluster.max_workers)
+            if self.wanted != before:
+                self._record({"kind": "autoscale", "step": self.step, "world": world, "wanted": self.wanted, "time": time.time()})
+
+    def _free_slots(self) -> int:
+        """Workers the cluster has room for now, beyond the pool (its workers still starting count as placed)."""
+        c = self.cfg.cluster
+        free = ray.available_resources()
+        slots = int(free.get("CPU", 0) // c.cpus_per_worker)
+        if c.gpus_per_worker:
+            slots = min(slots, int(free.get("GPU", 0) // c.gpus_per_worker))
+        return max(0, slots - len(self.pool.warming))
+
+    def _refill(self) -> None:
+        """Pool back to its size plus the workers wanted but not yet in; the autoscaler asked for room."""
+        self.pool.refill(extra=max(0, self.wanted - len(self.workers)))
+        self.pool.reserve(self.cfg.cluster.max_workers if self.autoscaling else max(self.wanted, len(self.workers)))
 
     def _run_step(self) -> None:
         try:
@@ -149,27 +195,28 @@ class Coordinator:
     def _prepare_pool(self) -> None:
         """Attach pool workers that finished warming up to their node's cache while they wait (not waited for)."""
         for worker in self.pool.newly_ready():
-            node = ray.get(worker.info.remote(), timeout=PING_S)["node"]
+            self.nodes[worker] = node = ray.get(worker.info.remote(), timeout=PING_S)["node"]
             self.pool.preparing[worker] = self._attach_caches([worker], [node], cursor=self.cursor, wait=False)[0]
 
     def _train_step(self) -> None:
         """Take the next global batch, split it over the workers, commit when all finished."""
-        cfg = self.cfg.train
         started = time.perf_counter()
-        shares = order.plan_step(self.layout, self.cursor, cfg.global_batch, [1.0] * len(self.workers))
+        batch = self.cfg.batch_at(len(self.workers))
+        shares = order.plan_step(self.layout, self.cursor, batch, [1.0] * len(self.workers))
         faults = self._faults_for(self.step + 1)
-        refs = [w.train_step.remote(self.step, s, cfg.global_batch, self.cursor, faults.get(rank))
+        refs = [w.train_step.remote(self.step, s, batch, self.cursor, faults.get(rank))
                 for rank, (w, s) in enumerate(zip(self.workers, shares))]
         results = self._collect(refs, started)
         self._commit(results, time.perf_counter() - started)
 
     def _commit(self, results: list[dict] | None, elapsed: float | None) -> None:
+        batch = self.cfg.batch_at(len(self.workers))  # the membership that ran the step: changes come after
         self.step += 1
-        self.cursor += self.cfg.train.global_batch
+        self.cursor += batch
         self.first_step_at = self.first_step_at or time.time()
-        record = {"kind": "train", "step": self.step, "world_size": len(self.workers), "samples": self.cursor, "time": time.time()}
+        record = {"kind": "train", "step": self.step, "world_size": len(self.workers), "batch": batch, "samples": self.cursor, "time": time.time()}
         if results is not None:  # None: committed by survivors whose all-reduce had every share in it
-            tokens = self.cfg.train.global_batch * self.cfg.model.seq_len
+            tokens = batch * self.cfg.model.seq_len
             record |= {
                 "loss": sum(r["loss"] for r in results), "lr": results[0]["lr"], "grad_norm": results[0]["grad_norm"],
                 "tokens_per_s": tokens / elapsed, "step_time_s": elapsed, "worker_s": max(r["compute_s"] for r in results),
@@ -226,32 +273,40 @@ class Coordinator:
     # -- membership ---------------------------------------------------------------
 
     def _recover(self) -> None:
+        """Survivors plus ready pool workers redo the step; fewer if the pool is short (more join when ready)."""
         started = self._failed_since  # "detect" spans the failed step, from its dispatch to the lost list
         survivors = [w for w in self.workers if w not in self.lost]
         self.recoveries += 1
-        self._change(survivors, self.target - len(survivors), reason="recover", lost=len(self.lost), started=started)
+        self._change(survivors, self.wanted - len(survivors), reason="recover", lost=len(self.lost), started=started)
         self.lost = []
 
     def _resize(self) -> None:
+        """Members on draining nodes leave (preemption); then shrink to, or grow towards, the target."""
         started = time.perf_counter()
-        if self.target < len(self.workers):
-            keep, leaving = self.workers[: self.target], self.workers[self.target :]
-            ray.get([w.leave.remote() for w in leaving])
-            self.pool.give_back(leaving)
-            self._change(keep, 0, reason="scale-in", started=started)
-        else:
-            self._change(self.workers, self.target - len(self.workers), reason="scale-out", started=started)
+        target = self._target()
+        evicted = [w for w in self.workers if self.nodes.get(w) in self.draining]
+        staying = [w for w in self.workers if w not in evicted]
+        keep, leaving = staying[:target], staying[target:]
+        self._gather([w.leave.remote() for w in evicted + leaving], "group exit")
+        for w in evicted:
+            ray.kill(w)
+        self.pool.give_back(leaving)
+        reason = "preemption" if evicted else "scale-in" if target < len(self.workers) else "scale-out"
+        self._change(keep, target - len(keep), reason=reason, started=started, lost=len(evicted))
 
     def _change(self, members: list, joining: int, reason: str, started: float, lost: int = 0) -> None:
-        """Re-form the group as `members` plus `joining` workers from the pool; log each phase."""
+        """Re-form the group as `members` plus up to `joining` ready pool workers; log each phase."""
         phases = {"detect": time.perf_counter() - started}
         t = time.perf_counter()
-        joiners, warm = self.pool.take(joining) if joining > 0 else ([], 0)
+        joiners = self.pool.take(joining) if joining > 0 else []
         phases["acquire"] = time.perf_counter() - t
         event = {"kind": "membership", "reason": reason, "step": self.step, "world_before": len(self.workers),
-                 "world_after": len(members) + len(joiners), "lost": lost, "warm_joiners": warm, "cold_joiners": len(joiners) - warm}
+                 "world_after": len(members) + len(joiners), "lost": lost, "joiners": len(joiners),
+                 "joiner_nodes": [self.nodes.get(w) for w in joiners]}
+        if not members + joiners:
+            raise JobError(f"no worker left and none ready in the warm pool; resume with `etrain train --resume {self.run_dir}`")
         self._form(members + joiners, reason=reason, phases=phases)
-        self.pool.refill()
+        self._refill()
         self._pending_event = {**event, "phases": phases, "_started": started}
 
     def _form(self, members: list, reason: str, phases: dict | None = None) -> None:
@@ -259,6 +314,8 @@ class Coordinator:
         phases = phases if phases is not None else {}
         t = time.perf_counter()
         infos = self._gather([w.info.remote() for w in members], "worker start", self.cfg.timeouts.join_s)
+        self.nodes |= {w: i["node"] for w, i in zip(members, infos)}
+        self.pids |= {w: i["pid"] for w, i in zip(members, infos)}
         fresh = [(w, i["node"]) for w, i in zip(members, infos) if w not in self._attached]
         self._attach_caches([w for w, _ in fresh], [n for _, n in fresh])
         behind = [w for w, i in zip(members, infos) if i["applied"] != self.step]
@@ -309,6 +366,7 @@ class Coordinator:
             ray.kill(w)
         self.workers = []
         self.pool.close()
+        self.pool.reserve(0)
         closing = [c.close.remote() for c in self.caches.values()]
         ray.wait(closing, num_returns=len(closing), timeout=10)  # best effort: remove the cached files
         for c in self.caches.values():
@@ -371,3 +429,9 @@ class Coordinator:
         summary = summarize(self.run_dir / "metrics.jsonl", self.cfg, self.started_at, self.first_step_at)
         write_json(self.run_dir / "summary.json", summary)
         return summary
+
+
+def draining_nodes() -> set[str]:
+    """Nodes with a drain request: a preemption notice (autoscaler v2, KubeRay, `ray drain-node`)
+    or an idle termination. Ray exposes it only internally (Ray Serve reads it the same way)."""
+    return set(ray._private.state.state.get_draining_nodes())

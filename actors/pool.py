@@ -2,8 +2,9 @@
 but outside the process group, so a join costs a state copy and a re-form, not a
 process start (~3 s here, 80-110 s for a cold cloud node).
 
-Pending pool actors are resource requests: on a real cluster they are what makes
-the Ray autoscaler add nodes, so the pool survives node churn.
+Pending pool actors are resource demand, and `reserve` asks the Ray autoscaler
+for room explicitly (`request_resources`), so on a real cluster the pool
+survives node churn: a lost node is replaced and the pool refills onto it.
 """
 
 from __future__ import annotations
@@ -14,19 +15,19 @@ from app.config import Config
 
 
 class WarmPool:
-    def __init__(self, cfg: Config, manifest: str):
-        self.cfg, self.manifest = cfg, manifest
+    def __init__(self, cfg: Config, manifest: str, spawn):
+        self.cfg, self.manifest, self.spawn = cfg, manifest, spawn
         self.idle: list = []
         self.warming: dict = {}  # worker -> its warm_up call, until the coordinator prepares it
         self.preparing: dict = {}  # worker -> its cache attach (the coordinator's), done = ready to join
+        self._reserved: int | None = None
 
-    def refill(self) -> None:
-        """Top up to `cluster.warm_pool` without waiting for the new actors to start."""
-        missing = self.cfg.cluster.warm_pool - len(self.idle)
+    def refill(self, extra: int = 0) -> None:
+        """Top up to `cluster.warm_pool` plus `extra` (workers wanted but not in the group yet),
+        without waiting for the new actors to start."""
+        missing = self.cfg.cluster.warm_pool + extra - len(self.idle)
         if missing > 0:
-            from actors.worker import spawn  # brings torch: only a coordinator with a pool pays for it
-
-            fresh = spawn(self.cfg, self.manifest, missing)
+            fresh = self.spawn(self.cfg, self.manifest, missing)
             self.warming |= {w: w.warm_up.remote() for w in fresh}  # queued first: "up" then means warmed up
             self.idle += fresh
 
@@ -40,18 +41,22 @@ class WarmPool:
             del self.warming[w]
         return ready
 
-    def take(self, count: int) -> tuple[list, int]:
-        """`count` workers: pool ones first, prepared ones first among them (waiting for one still
-        starting beats starting another), then cold ones. Also returns how many were prepared."""
-        from actors.worker import spawn
-
-        prepared = self._prepared()
-        self.idle.sort(key=lambda w: w not in prepared)
-        chosen, self.idle = self.idle[:count], self.idle[count:]
+    def take(self, count: int) -> list:
+        """Up to `count` ready workers. Never one still starting: it may wait minutes for a node,
+        and a membership change must not wait for it; it joins at a later step boundary."""
+        chosen = self._prepared()[:count]
+        self.idle = [w for w in self.idle if w not in chosen]
         for w in chosen:
-            self.preparing.pop(w, None)
+            del self.preparing[w]
+        return chosen
+
+    def drop(self, workers: list) -> None:
+        """Stop pool workers (on a node being drained); the next refill replaces them elsewhere."""
+        for w in workers:
+            self.idle.remove(w)
             self.warming.pop(w, None)
-        return chosen + spawn(self.cfg, self.manifest, count - len(chosen)), sum(w in prepared for w in chosen)
+            self.preparing.pop(w, None)
+            ray.kill(w)
 
     def ready(self) -> int:
         """Pool workers warmed up and attached to their node's cache: a join costs them no start-up."""
@@ -63,12 +68,24 @@ class WarmPool:
         return [w for w, ref in self.preparing.items() if ref in done]
 
     def give_back(self, workers: list) -> None:
-        """Workers leaving the group: already warm and attached, they go straight back in."""
-        room = max(0, self.cfg.cluster.warm_pool - len(self.idle))
-        self.idle += workers[:room]
-        self.preparing |= {w: w.info.remote() for w in workers[:room]}
-        for w in workers[room:]:
-            ray.kill(w)
+        """Workers leaving the group are warm and attached: they go back in, ahead of pool workers
+        still starting, which are the first stopped when the pool is over its size."""
+        self.idle = workers + self.idle
+        self.preparing |= {w: w.info.remote() for w in workers}
+        self.idle.sort(key=lambda w: w in self.warming)
+        self.drop(self.idle[self.cfg.cluster.warm_pool :])
+
+    def reserve(self, members: int) -> None:
+        """Ask the autoscaler for room for `members` workers plus the pool. The request persists
+        (nodes are kept, lost ones replaced) until the next call; `reserve(0)` at the end drops it."""
+        from ray.autoscaler.sdk import request_resources
+
+        if members == self._reserved:
+            return
+        self._reserved = members
+        c = self.cfg.cluster
+        bundle = {"CPU": c.cpus_per_worker} | ({"GPU": c.gpus_per_worker} if c.gpus_per_worker else {})
+        request_resources(bundles=[bundle] * (members + c.warm_pool if members else 0))
 
     def close(self) -> None:
         for w in self.idle:

@@ -120,9 +120,13 @@ class TrainWorker:
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.optim.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()
+        # The linear scaling rule (train.batch_scaling=linear): lr grows with the batch. 1 at constant batch.
+        scale = global_batch / self.cfg.train.global_batch
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr * scale
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.applied = step + 1
         return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": time.perf_counter() - started, "data": data}

@@ -96,7 +96,10 @@ class PrepareConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(200, ge=1, description="optimizer steps in the whole run")
-    global_batch: int = Field(16, ge=1, description="samples per optimizer step, whatever the world size")
+    global_batch: int = Field(16, ge=1, description="samples per optimizer step at cluster.num_workers workers")
+    batch_scaling: Literal["constant", "linear"] = Field(
+        "constant", description="constant: global_batch at any world size, so the loss trajectory does not depend on it; "
+        "linear: global_batch / num_workers samples per worker, and lr scaled by the same factor (the linear scaling rule)")
     micro_batch: int = Field(8, ge=1, description="samples per forward/backward; more are accumulated")
     seed: int = 0
     eval_every: int = Field(50, ge=0, description="steps between evaluations; 0 = only at the end")
@@ -126,6 +129,8 @@ class ClusterConfig(Section):
     gpus_per_worker: float = Field(0, ge=0, description="> 0 trains on CUDA with NCCL")
     address: str | None = Field(None, description="Ray address; default RAY_ADDRESS or a new local instance")
     warm_pool: int = Field(1, ge=0, description="built workers kept outside the group for joins and replacements")
+    max_workers: int | None = Field(None, ge=1, description="autoscale: grow onto free cluster resources up to this many workers; "
+                                    "None: stay at num_workers (or what `etrain scale` asks)")
     max_recoveries: int = Field(3, ge=0, description="lost-worker recoveries before the job fails")
 
 
@@ -187,7 +192,22 @@ class Config(Section):
                 f"train.global_batch={self.train.global_batch} is smaller than "
                 f"cluster.num_workers={self.cluster.num_workers}: every worker needs a sample"
             )
+        if self.cluster.max_workers is not None and self.cluster.max_workers < self.cluster.num_workers:
+            raise ValueError(f"cluster.max_workers={self.cluster.max_workers} is below cluster.num_workers={self.cluster.num_workers}")
+        if (self.cluster.max_workers or 0) > self.train.global_batch and self.train.batch_scaling == "constant":
+            raise ValueError(f"cluster.max_workers={self.cluster.max_workers} exceeds train.global_batch={self.train.global_batch}: every worker needs a sample")
+        if self.train.batch_scaling == "linear" and self.train.global_batch % self.cluster.num_workers:
+            raise ValueError(
+                f"train.batch_scaling=linear needs train.global_batch={self.train.global_batch} to be a multiple of "
+                f"cluster.num_workers={self.cluster.num_workers} (it is the per-worker batch times the workers)"
+            )
         return self
+
+    def batch_at(self, world: int) -> int:
+        """Samples per optimizer step with `world` workers."""
+        if self.train.batch_scaling == "constant":
+            return self.train.global_batch
+        return self.train.global_batch // self.cluster.num_workers * world
 
     def hash(self) -> str:
         """Identity of what is trained: everything but the RESUMABLE keys."""

@@ -6,12 +6,10 @@ it starts a local Ray instance (token authentication on, Ray's default).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm import tqdm
 
 from actors.coordinator import Coordinator
+from actors.worker import spawn
 from app.api import NAMESPACE
 from app.config import Config, ConfigError
 from pipelines.embedded import ensure_corpus
@@ -59,12 +58,9 @@ def connect(cfg: Config) -> None:
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, started_at: float | None = None, progress: bool = True) -> dict:
     started_at = started_at or time.time()
-    # The worker module brings torch (~3 s to import): load it while Ray starts.
-    with ThreadPoolExecutor(1) as pool:
-        worker_module = pool.submit(importlib.import_module, "actors.worker")
-        manifest = resolve_data(cfg)
-        connect(cfg)
-        workers = worker_module.result().spawn(cfg, manifest, cfg.cluster.num_workers)
+    manifest = resolve_data(cfg)
+    connect(cfg)
+    workers = spawn(cfg, manifest, cfg.cluster.num_workers)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     coordinator = ray.remote(Coordinator).options(name=f"etrain:{run_dir.name}", num_cpus=0, max_concurrency=4, scheduling_strategy=here)
     coordinator = coordinator.remote(cfg.model_dump(), str(run_dir), manifest, started_at, workers)

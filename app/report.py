@@ -16,15 +16,15 @@ def summarize(metrics_path: Path, cfg: Config, started_at: float, first_step_at:
     train = [r for r in steps if r.get("loss") is not None]
     evals = [r for r in records if r["kind"] == "eval"]
     steady = train[1:] or train  # the first step pays for warm-up (allocations, gloo buffers)
-    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+    seq = cfg.model.seq_len
     return {
         "steps": steps[-1]["step"] if steps else 0,
         "samples": steps[-1]["samples"] if steps else 0,
-        "tokens": (steps[-1]["step"] if steps else 0) * tokens_per_step,
+        "tokens": (steps[-1]["samples"] if steps else 0) * seq,
         "first_loss": train[0]["loss"] if train else None,
         "final_loss": train[-1]["loss"] if train else None,
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
-        "tokens_per_s": tokens_per_step * len(steady) / sum(r["step_time_s"] for r in steady) if steady else None,
+        "tokens_per_s": seq * sum(r["batch"] for r in steady) / sum(r["step_time_s"] for r in steady) if steady else None,
         "wall_s": time.time() - started_at,
         "startup_s": first_step_at - started_at if first_step_at else None,
         "world_size": steps[-1]["world_size"] if steps else cfg.cluster.num_workers,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from actors.control import Observation, State, next_state
+from actors.control import Observation, State, autoscale, next_state
 
 
 def obs(**kw) -> Observation:
@@ -28,6 +28,8 @@ def obs(**kw) -> Observation:
         (State.RUNNING, obs(step=10, checkpoint_due=True), State.CHECKPOINTING),  # the final checkpoint
         (State.CHECKPOINTING, obs(step=10), State.FINISHED),
         (State.RUNNING, obs(step=10, target=3), State.FINISHED),  # no resize after the last step
+        (State.RUNNING, obs(evict=1), State.RESIZING),  # a node is being drained: move off it now
+        (State.RUNNING, obs(evict=1, lost=1), State.RECOVERING),
         (State.FINISHED, obs(lost=1), State.FINISHED),
         (State.FAILED, obs(), State.FAILED),
     ],
@@ -39,3 +41,19 @@ def test_next_state(state, o, expected):
 def test_every_live_state_can_reach_finished():
     for state in (State.STARTING, State.RUNNING, State.RESIZING, State.RECOVERING, State.CHECKPOINTING):
         assert next_state(state, obs(step=10)) == State.FINISHED
+
+
+@pytest.mark.parametrize(
+    "world, free, ready, max_workers, expected",
+    [
+        (2, 0, 1, 4, 2),  # no room beyond the pool: the pool stays a reserve
+        (2, 1, 0, 4, 2),  # room, but no warm worker yet: wait rather than join cold
+        (2, 1, 1, 4, 3),
+        (2, 3, 1, 4, 3),  # one ready worker, one join; the refilled pool brings the next
+        (2, 5, 5, 4, 4),  # capped by max_workers
+        (4, 2, 2, 4, 4),
+        (5, 0, 0, 4, 5),  # above the cap (asked for by hand): never shrunk by the policy
+    ],
+)
+def test_autoscale(world, free, ready, max_workers, expected):
+    assert autoscale(world, free, ready, max_workers) == expected

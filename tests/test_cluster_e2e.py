@@ -1,0 +1,110 @@
+"""End to end on a real Ray head with the real autoscaler (fake multi-node provider), token auth on:
+`ray job submit` runs `etrain train`, the autoscaler adds a node, a warm worker starts there and
+joins the running job, a worker SIGKILLed from outside does not fail the job, a preemption notice
+moves workers off a node. See tests/fake_cluster.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from app.metrics import read_jsonl
+from fake_cluster import FakeCluster
+
+STATUS = "import json, sys; from app import api; print(json.dumps(api.status(sys.argv[1])))"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = FakeCluster(tmp_path_factory.mktemp("fake-cluster"), head_cpus=1)
+    c.start()
+    yield c
+    c.stop()
+
+
+def submit(cluster: FakeCluster, data_dir: str, root: Path, name: str, *overrides: str) -> str:
+    sets = [f"data.cache_dir={data_dir}", "data.corpus_bytes=1500000", "data.shard_bytes=200000", f"run.root={root}",
+            f"run.name={name}", "cluster.num_workers=1", "cluster.max_workers=2", "cluster.warm_pool=1",
+            "train.eval_every=0", "checkpoint.every=0", *overrides]
+    # No --working-dir here (README's recipe for a real cluster has it): the fake nodes share this
+    # machine's disk and session directory, so one node's runtime-env agent deletes the unpacked
+    # package from under the other nodes' workers. The project is installed in the venv they all use.
+    args = ["ray", "job", "submit", "--no-wait", "--submission-id", name, "--", "etrain", "train", "--config", "tiny"]
+    cluster.run(*args, *[a for s in sets for a in ("--set", s)])
+    return name
+
+
+def wait_for(what: str, predicate, timeout: float = 120, every: float = 0.5):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def wait_job(cluster: FakeCluster, job: str, timeout: float = 300) -> str:
+    """How the job ended, as `ray job status` says it ("Job 'X' succeeded")."""
+    def ended():
+        found = re.search(r"Job '.*' (succeeded|failed|stopped)", cluster.run("ray", "job", "status", job).stdout)
+        return found and found[1]
+
+    return wait_for(f"job {job} to end", ended, timeout, every=2)
+
+
+def status(cluster: FakeCluster, job: str) -> dict:
+    """What `app.api.status` says about the running job, asked from a fresh process as a user would."""
+    return json.loads(cluster.run("python", "-c", STATUS, job).stdout)
+
+
+def is_fake_node(node: str) -> bool:
+    return node.startswith("fffffffffff")  # the provider's node ids; the head's is random
+
+
+def memberships(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [r for r in read_jsonl(path) if r["kind"] == "membership"] if path.exists() else []
+
+
+def test_submitted_job_grows_onto_a_new_node_and_survives_a_killed_worker(cluster, data_dir, tmp_path):
+    job = submit(cluster, data_dir, tmp_path, "grow-kill", "train.steps=500")
+    run_dir = tmp_path / "grow-kill"
+    # The head has room for one worker: the pool worker's demand makes the autoscaler start a node,
+    # the pool worker warms up there, and the autoscaling policy lets it join.
+    grown = wait_for("a scale-out onto a new node", lambda: next((m for m in memberships(run_dir) if m["reason"] == "scale-out"), None))
+    assert (grown["world_before"], grown["world_after"], grown["joiners"]) == (1, 2, 1)
+    assert is_fake_node(grown["joiner_nodes"][0])
+
+    # A worker process killed from outside (as the OOM killer or a crash would): the job goes on.
+    now = wait_for("a ready pool worker", lambda: (s := status(cluster, job))["warm_pool_ready"] and s)
+    os.kill(now["members"][1]["pid"], signal.SIGKILL)
+    assert wait_job(cluster, job) == "succeeded", cluster.run("ray", "job", "logs", job).stdout[-3000:]
+    recover = [m for m in memberships(run_dir) if m["reason"] == "recover"]
+    assert [(m["world_before"], m["world_after"], m["lost"]) for m in recover] == [(2, 2, 1)]
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert steps == list(range(1, 501))
+    logs = cluster.run("ray", "job", "logs", job).stdout
+    assert "scale-out 1 -> 2 workers" in logs and "recover 2 -> 2 workers" in logs
+
+
+def test_preemption_notice_moves_workers_off_the_node(cluster, data_dir, tmp_path):
+    job = submit(cluster, data_dir, tmp_path, "preempt", "train.steps=400")
+    run_dir = tmp_path / "preempt"
+    wait_for("two workers", lambda: any(m["world_after"] == 2 for m in memberships(run_dir)))
+    doomed = next(m["node"] for m in status(cluster, job)["members"] if is_fake_node(m["node"]))
+    # What a spot interruption notice becomes on a Ray cluster (autoscaler v2, KubeRay, or a node watcher).
+    cluster.run("ray", "drain-node", "--address", cluster.address, "--node-id", doomed, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                "--reason-message", "spot interruption", "--deadline-remaining-seconds", "120")
+    moved = wait_for("the preemption", lambda: next((m for m in memberships(run_dir) if m["reason"] == "preemption"), None))
+    assert (moved["world_before"], moved["lost"]) == (2, 1) and doomed not in moved["joiner_nodes"]
+    assert wait_job(cluster, job) == "succeeded", cluster.run("ray", "job", "logs", job).stdout[-3000:]
+    later = [m for m in memberships(run_dir) if m["step"] >= moved["step"]]
+    assert all(doomed not in m["joiner_nodes"] for m in later)
+    steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in steps] == list(range(1, 401))
