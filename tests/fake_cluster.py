@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import socket
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,7 +41,8 @@ class FakeCluster:
         self.address = f"127.0.0.1:{self.port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # `etrain` for jobs
-        self.env = {**os.environ, "PATH": path, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        mine = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # none of the session Ray's
+        self.env = {**mine, "PATH": path, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
         self.head: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60) -> None:
@@ -53,7 +54,10 @@ class FakeCluster:
         cmd = [RAY, "start", "--head", "--block", f"--port={self.port}", f"--num-cpus={self.head_cpus}",
                f"--temp-dir={self.temp_dir}", f"--autoscaling-config={config_path}", "--dashboard-host=127.0.0.1",
                f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={free_port()}",
-               "--node-manager-port=0", "--object-manager-port=0", "--min-worker-port=0", "--max-worker-port=0"]
+               "--node-manager-port=0", "--object-manager-port=0", "--min-worker-port=0", "--max-worker-port=0",
+               # Ports of their own: the session's Ray holds the defaults (the job agent's 52365 above all).
+               f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+               f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
         self.log = open(self.workdir / "head.log", "wb")
         self.head = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         try:

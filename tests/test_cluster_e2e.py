@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from fake_cluster import FakeCluster
 
 from app.metrics import read_jsonl
-from fake_cluster import FakeCluster
 
 STATUS = "import json, sys; from app import api; print(json.dumps(api.status(sys.argv[1])))"
 
@@ -36,7 +36,12 @@ def submit(cluster: FakeCluster, data_dir: str, root: Path, name: str, *override
     # machine's disk and session directory, so one node's runtime-env agent deletes the unpacked
     # package from under the other nodes' workers. The project is installed in the venv they all use.
     args = ["ray", "job", "submit", "--no-wait", "--submission-id", name, "--", "etrain", "train", "--config", "tiny"]
-    cluster.run(*args, *[a for s in sets for a in ("--set", s)])
+    args += [a for s in sets for a in ("--set", s)]
+    deadline = time.time() + 60
+    while (done := cluster.run(*args, check=False)).returncode:  # a fresh head's job agent may not be up yet
+        if "try again later" not in done.stdout + done.stderr or time.time() > deadline:
+            raise AssertionError(f"ray job submit failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        time.sleep(1)
     return name
 
 

@@ -27,3 +27,14 @@ def test_schema_check_is_real():
     config["max_workerz"] = 3
     with pytest.raises(Exception, match="max_workerz"):
         validate_config(prepare_config(config))
+
+
+def test_cluster_keeps_the_warm_pool_on_running_nodes():
+    """One GPU worker per node: min_workers holds the job and its pool, max_workers its autoscaling room."""
+    from app.config import load_config
+
+    nodes = yaml.safe_load(CLUSTER.read_text())["available_node_types"]
+    cfg = load_config("gpu-125m").cluster
+    assert nodes["gpu_worker"]["min_workers"] == cfg.num_workers + cfg.warm_pool
+    assert nodes["gpu_worker"]["max_workers"] == cfg.max_workers + cfg.warm_pool
+    assert nodes["head"]["resources"] == {"CPU": 0}  # no training worker on the head

@@ -7,10 +7,9 @@ the crash). Whatever the history, the committed steps must read every sample of
 an epoch exactly once, in the same global order.
 """
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import numpy as np
 
 from pipelines import order
 

@@ -21,8 +21,8 @@ from app.job import new_run_dir, train
 from app.metrics import read_jsonl
 from app.model import GPT
 from pipelines import order
-from pipelines.embedded import ensure_corpus
 from pipelines.cache import ShardCache
+from pipelines.embedded import ensure_corpus
 from pipelines.shards import ShardReader, read_manifest
 
 pytestmark = pytest.mark.usefixtures("ray_session")

@@ -1,0 +1,195 @@
+"""A worker lost mid-run, side by side: Ray Train v2 (restart from the last checkpoint) vs ours.
+
+Both train the tiny GPT with 2 workers on the same samples; at step --kill-at
+worker rank 1 dies (os._exit, as a crash or an OOM kill does). Ray Train
+(TorchTrainer, FailureConfig(max_failures=1), a checkpoint every --ckpt-every
+steps) restarts its worker group and resumes from the checkpoint; ours replaces
+the worker from the warm pool, copies state from a live peer and redoes the one
+failed step. Each variant runs in its own fresh process. Measured per variant:
+
+- recovery_s: from the failure until the step that failed is completed (Ray
+  Train first redoes the steps since its checkpoint),
+- steps_redone: steps computed twice,
+- wall_s: the whole run, launch to exit.
+
+Prints a table and the ratios, writes bench/results/elastic.json.
+
+    python bench/elastic.py [--steps 150] [--kill-at 90] [--ckpt-every 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def overrides(args) -> list[str]:
+    return [f"train.steps={args.steps}", "train.eval_every=0", "checkpoint.every=0", "cluster.num_workers=2",
+            "cluster.cpus_per_worker=1", f"data.cache_dir={args.data}"]
+
+
+# -- Ray Train ------------------------------------------------------------------
+
+
+def ray_train_loop(config: dict) -> None:
+    """Ray Train's documented pattern: resume from ray.train.get_checkpoint(), report a checkpoint every N steps."""
+    import numpy as np
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    from app.config import Config
+    from app.model import GPT
+    from app.optim import make_optimizer, make_scheduler
+    from pipelines import order
+    from pipelines.shards import ShardReader, read_manifest
+
+    cfg = Config.model_validate(config["cfg"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(1)
+    reader = ShardReader(config["manifest"], "train")
+    sizes = tuple(s["samples"] for s in read_manifest(config["manifest"])["splits"]["train"]["shards"])
+    layout = order.Layout(cfg.train.seed, sizes, cfg.data.shuffle_shards)
+    torch.manual_seed(cfg.train.seed)
+    model = ray.train.torch.prepare_model(GPT(cfg.model))
+    optimizer = make_optimizer(model, cfg.optim)
+    scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    start = 0
+    if checkpoint := ray.train.get_checkpoint():
+        with checkpoint.as_directory() as d:
+            state = torch.load(Path(d) / "state.pt", weights_only=True)
+        model.module.load_state_dict(state["model"]) if hasattr(model, "module") else model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start = state["step"]
+    log = Path(config["log"])
+    for step in range(start, cfg.train.steps):
+        if step + 1 == config["kill_at"] and rank == 1 and not Path(config["killed"]).exists():
+            Path(config["killed"]).write_text(str(time.time()))
+            os._exit(1)
+        ids = order.take(layout, step * cfg.train.global_batch, cfg.train.global_batch)
+        mine = torch.from_numpy(reader.get(order.split(ids, [1.0] * world)[rank]).astype(np.int64))
+        optimizer.zero_grad(set_to_none=True)
+        _, loss = model(mine[:, :-1], mine[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        if rank == 0:
+            with log.open("a") as f:
+                f.write(json.dumps({"step": step + 1, "time": time.time()}) + "\n")
+        if (step + 1) % config["ckpt_every"] == 0:
+            with tempfile.TemporaryDirectory() as d:
+                if rank == 0:
+                    inner = model.module if hasattr(model, "module") else model
+                    torch.save({"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
+                                "scheduler": scheduler.state_dict(), "step": step + 1}, Path(d) / "state.pt")
+                ray.train.report({"step": step + 1}, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
+
+
+def run_ray_train(args) -> dict:
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from app.config import load_config
+    from pipelines.embedded import ensure_corpus
+
+    cfg = load_config("tiny", overrides(args))
+    manifest = ensure_corpus(cfg)
+    ray.init(num_cpus=3, logging_level="warning")
+    work = Path(tempfile.mkdtemp(prefix="raytrain-"))
+    config = {"cfg": cfg.model_dump(), "manifest": manifest, "log": str(work / "steps.jsonl"), "killed": str(work / "killed"),
+              "kill_at": args.kill_at, "ckpt_every": args.ckpt_every}
+    trainer = TorchTrainer(
+        ray_train_loop, train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=str(work / "storage"), name="bench", failure_config=FailureConfig(max_failures=1)),
+    )
+    trainer.fit()
+    steps = [json.loads(line) for line in (work / "steps.jsonl").read_text().splitlines()]
+    killed = float((work / "killed").read_text())
+    after = [s for s in steps if s["time"] > killed]
+    back = next(s for s in after if s["step"] == args.kill_at)
+    return {"recovery_s": back["time"] - killed, "first_step_after_s": after[0]["time"] - killed,
+            "steps_redone": len(steps) - args.steps, "steps": len({s["step"] for s in steps})}
+
+
+# -- ours -----------------------------------------------------------------------
+
+
+def run_ours(args) -> dict:
+    from app.config import load_config
+    from app.job import new_run_dir, train
+    from app.metrics import read_jsonl
+
+    fault = f"faults=[{{rank: 1, step: {args.kill_at}, kind: kill}}]"
+    cfg = load_config("tiny", [*overrides(args), "cluster.warm_pool=1", fault, f"run.root={tempfile.mkdtemp(prefix='ours-')}"])
+    run_dir = new_run_dir(cfg)
+    train(cfg, run_dir, progress=False)
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    recover = next(r for r in records if r["kind"] == "membership" and r["reason"] == "recover")
+    steps = [r for r in records if r["kind"] == "train"]
+    failed = next(r for r in steps if r["step"] == recover["step"] + 1)
+    # "detect" starts at the failed step's dispatch, where the worker died; total_s runs until that step is
+    # committed by the new group. A step the survivors had finished is committed without a loss, not redone.
+    return {"recovery_s": recover["total_s"], "first_step_after_s": recover["total_s"],
+            "steps_redone": int(failed.get("loss") is not None), "steps": len(steps), "phases": recover["phases"],
+            "joiners_from_pool": recover["joiners"], "world_after": recover["world_after"]}
+
+
+VARIANTS = {"raytrain": run_ray_train, "ours": run_ours}
+
+
+def measure(args, variant: str) -> dict:
+    cmd = [sys.executable, __file__, "--variant", variant, *forward(args)]
+    launched = time.time()
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if out.returncode:
+        raise SystemExit(f"{variant} failed:\n{out.stderr[-3000:]}")
+    return {"variant": variant, **json.loads(out.stdout.strip().splitlines()[-1]), "wall_s": time.time() - launched}
+
+
+def forward(args) -> list[str]:
+    return ["--steps", str(args.steps), "--kill-at", str(args.kill_at), "--ckpt-every", str(args.ckpt_every), "--data", args.data]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--kill-at", type=int, default=90, help="1-based step at which rank 1 dies")
+    p.add_argument("--ckpt-every", type=int, default=25, help="Ray Train's checkpoint interval (steps)")
+    p.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "etrain-bench-data"))
+    p.add_argument("--variant", choices=VARIANTS)
+    args = p.parse_args()
+    if args.variant:
+        print(json.dumps(VARIANTS[args.variant](args)))
+        return
+    rows = {}
+    for variant in ("raytrain", "ours"):
+        rows[variant] = r = measure(args, variant)
+        print(f"{variant:9s} recovery {r['recovery_s']:6.2f} s   steps redone {r['steps_redone']}   run {r['wall_s']:6.1f} s", flush=True)
+    ratios = {
+        "ours_vs_raytrain_recovery_s": rows["ours"]["recovery_s"] / rows["raytrain"]["recovery_s"],
+        "ours_vs_raytrain_wall_s": rows["ours"]["wall_s"] / rows["raytrain"]["wall_s"],
+    }
+    for name, value in ratios.items():
+        print(f"{name:32s} {value:6.3f}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / "elastic.json"
+    out.write_text(json.dumps({"args": vars(args), "rows": rows, "ratios": ratios, "when": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
+    print(f"written: {out}")
+
+
+if __name__ == "__main__":
+    main()
