@@ -121,8 +121,7 @@ def run_ray_train(args) -> dict:
     killed = float((work / "killed").read_text())
     after = [s for s in steps if s["time"] > killed]
     back = next(s for s in after if s["step"] == args.kill_at)
-    return {"recovery_s": back["time"] - killed, "first_step_after_s": after[0]["time"] - killed,
-            "steps_redone": len(steps) - args.steps, "steps": len({s["step"] for s in steps})}
+    return {"recovery_s": back["time"] - killed, "steps_redone": len(steps) - args.steps, "steps": len({s["step"] for s in steps})}
 
 
 # -- ours -----------------------------------------------------------------------
@@ -143,8 +142,7 @@ def run_ours(args) -> dict:
     failed = next(r for r in steps if r["step"] == recover["step"] + 1)
     # "detect" starts at the failed step's dispatch, where the worker died; total_s runs until that step is
     # committed by the new group. A step the survivors had finished is committed without a loss, not redone.
-    return {"recovery_s": recover["total_s"], "first_step_after_s": recover["total_s"],
-            "steps_redone": int(failed.get("loss") is not None), "steps": len(steps), "phases": recover["phases"],
+    return {"recovery_s": recover["total_s"], "steps_redone": int(failed.get("loss") is not None), "steps": len(steps), "phases": recover["phases"],
             "joiners_from_pool": recover["joiners"], "world_after": recover["world_after"]}
 
 
