@@ -196,6 +196,9 @@ class Coordinator:
         """Attach pool workers that finished warming up to their node's cache while they wait (not waited for)."""
         for worker in self.pool.newly_ready():
             self.nodes[worker] = node = ray.get(worker.info.remote(), timeout=PING_S)["node"]
+            if node in self.draining:  # started on a node with a preemption notice: no use waiting there
+                self.pool.drop([worker])
+                continue
             self.pool.preparing[worker] = self._attach_caches([worker], [node], cursor=self.cursor, wait=False)[0]
 
     def _train_step(self) -> None:
@@ -223,11 +226,19 @@ class Coordinator:
                 **self._data_metrics([r["data"] for r in results]),
             }
         self._record(record)
-        if self._pending_event is not None:
-            event, self._pending_event = self._pending_event, None
-            event["phases"]["first_step"] = time.perf_counter() - event.pop("_started") - sum(event["phases"].values())
-            event["total_s"] = sum(event["phases"].values())
-            self._record(event)
+        self._close_event(stepped=True)
+
+    def _close_event(self, stepped: bool) -> None:
+        """Record the pending membership change; its first_step phase only if a step followed it
+        (a change can follow another at once, e.g. a preemption shrink, then a ready worker's join)."""
+        if self._pending_event is None:
+            return
+        event, self._pending_event = self._pending_event, None
+        if stepped:
+            event["phases"]["first_step"] = time.perf_counter() - event["_started"] - sum(event["phases"].values())
+        del event["_started"]
+        event["total_s"] = sum(event["phases"].values())
+        self._record(event)
 
     def _collect(self, refs: list, started: float) -> list[dict]:
         """Every member's result, or StepFailed naming the lost ones (dead, or hung past the timeouts).
@@ -300,9 +311,10 @@ class Coordinator:
         t = time.perf_counter()
         joiners = self.pool.take(joining) if joining > 0 else []
         phases["acquire"] = time.perf_counter() - t
+        self._close_event(stepped=False)
         event = {"kind": "membership", "reason": reason, "step": self.step, "world_before": len(self.workers),
                  "world_after": len(members) + len(joiners), "lost": lost, "joiners": len(joiners),
-                 "joiner_nodes": [self.nodes.get(w) for w in joiners]}
+                 "joiner_nodes": [self.nodes.get(w) for w in joiners], "draining_nodes": sorted(self.draining)}
         if not members + joiners:
             raise JobError(f"no worker left and none ready in the warm pool; resume with `etrain train --resume {self.run_dir}`")
         self._form(members + joiners, reason=reason, phases=phases)

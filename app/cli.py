@@ -77,6 +77,13 @@ def cmd_scale(args, started_at: float) -> int:
     return 0
 
 
+def cmd_spot_watch(args, started_at: float) -> int:
+    from app.spot import watch
+
+    print(json.dumps(watch(args.imds, args.node_id, args.every)))
+    return 0
+
+
 def cmd_config(args, started_at: float) -> int:
     print(load_config(args.config, args.set).to_yaml(), end="")
     return 0
@@ -124,6 +131,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="the run directory (or its name)")
     p.add_argument("--workers", type=int, required=True, help="workers wanted")
     p.set_defaults(func=cmd_scale)
+
+    p = sub.add_parser("spot-watch", help="on a spot worker node: turn the interruption notice into a Ray drain (cluster.yaml runs it)")
+    p.add_argument("--imds", default="http://169.254.169.254", help="instance metadata endpoint")
+    p.add_argument("--node-id", help="node to drain; default the node this runs on")
+    p.add_argument("--every", type=float, default=5.0, help="seconds between polls (AWS gives 120 s notice)")
+    p.set_defaults(func=cmd_spot_watch)
 
     p = sub.add_parser("config", help="print the resolved config")
     with_config(p)

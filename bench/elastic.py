@@ -1,4 +1,4 @@
-"""A worker lost mid-run, side by side: Ray Train v2 (restart from the last checkpoint) vs ours.
+"""Membership changes side by side, Ray Train v2 vs ours: a worker lost mid-run, and a node added.
 
 Both train the tiny GPT with 2 workers on the same samples; at step --kill-at
 worker rank 1 dies (os._exit, as a crash or an OOM kill does). Ray Train
@@ -11,6 +11,14 @@ failed step. Each variant runs in its own fresh process. Measured per variant:
   Train first redoes the steps since its checkpoint),
 - steps_redone: steps computed twice,
 - wall_s: the whole run, launch to exit.
+
+A node added: the job starts with one worker on a 1-CPU head; once it trains,
+a 2-CPU node joins (ray.cluster_utils.Cluster: a second raylet on this
+machine). Ray Train v2 runs elastic (ScalingConfig(num_workers=(1, 2)), its
+default resize interval) and restarts its group at the new size from the last
+checkpoint; ours (cluster.max_workers=2, warm pool 1) lets the pool worker
+that started on the new node join. Measured: scale_out_s, from the node's
+arrival to the first step trained by 2 workers.
 
 Prints a table and the ratios, writes bench/results/elastic.json.
 
@@ -87,7 +95,7 @@ def ray_train_loop(config: dict) -> None:
         scheduler.step()
         if rank == 0:
             with log.open("a") as f:
-                f.write(json.dumps({"step": step + 1, "time": time.time()}) + "\n")
+                f.write(json.dumps({"step": step + 1, "time": time.time(), "world": world}) + "\n")
         if (step + 1) % config["ckpt_every"] == 0:
             with tempfile.TemporaryDirectory() as d:
                 if rank == 0:
@@ -146,7 +154,90 @@ def run_ours(args) -> dict:
             "joiners_from_pool": recover["joiners"], "world_after": recover["world_after"]}
 
 
-VARIANTS = {"raytrain": run_ray_train, "ours": run_ours}
+# -- a node added: Ray Train v2 elastic (num_workers=(1, 2)) vs our autoscaling -----
+
+
+def grow(args, start, world_of) -> dict:
+    """A 1-CPU head runs the job's first worker; once it trains, a 2-CPU node joins the cluster.
+    Returns the seconds from the node's arrival to the first step trained by 2 workers."""
+    import threading
+
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    thread = threading.Thread(target=start, args=(cluster.address,), daemon=True)
+    thread.start()
+    first = wait(lambda: world_of(1), 300, "the first step")
+    cluster.add_node(num_cpus=2)
+    added = time.time()
+    grown = wait(lambda: world_of(2), args.grow_timeout, "a step at 2 workers")
+    result = {"scale_out_s": grown - added, "startup_s": first - added}
+    print(json.dumps(result), flush=True)
+    os._exit(0)  # the run is not finished; the measurement is: leave without waiting for it
+
+
+def wait(probe, timeout: float, what: str) -> float:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (when := probe()) is not None:
+            return when
+        time.sleep(0.1)
+    raise SystemExit(f"no {what} within {timeout} s")
+
+
+def run_ray_train_grow(args) -> dict:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from app.config import load_config
+    from pipelines.embedded import ensure_corpus
+
+    cfg = load_config("tiny", [*overrides(args), "train.steps=100000"])
+    work = Path(tempfile.mkdtemp(prefix="raytrain-"))
+    log = work / "steps.jsonl"
+    config = {"cfg": cfg.model_dump(), "manifest": ensure_corpus(cfg), "log": str(log), "killed": str(work / "killed"),
+              "kill_at": 0, "ckpt_every": args.ckpt_every}
+
+    def start(address: str) -> None:
+        ray.init(address=address, logging_level="warning")
+        TorchTrainer(
+            ray_train_loop, train_loop_config=config,
+            scaling_config=ScalingConfig(num_workers=(1, 2), use_gpu=False, resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(storage_path=str(work / "storage"), name="bench"),
+        ).fit()
+
+    def world_of(n: int) -> float | None:
+        rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        return next((r["time"] for r in rows if r["world"] == n), None)
+
+    return grow(args, start, world_of)
+
+
+def run_ours_grow(args) -> dict:
+    import ray
+
+    from app.config import load_config
+    from app.job import new_run_dir, train
+    from app.metrics import read_jsonl
+
+    cfg = load_config("tiny", [*overrides(args), "train.steps=100000", "cluster.num_workers=1", "cluster.max_workers=2",
+                               "cluster.warm_pool=1", f"run.root={tempfile.mkdtemp(prefix='ours-')}"])
+    run_dir = new_run_dir(cfg)
+
+    def start(address: str) -> None:
+        ray.init(address=address, namespace="etrain", logging_level="warning")
+        train(cfg, run_dir, progress=False)
+
+    def world_of(n: int) -> float | None:
+        path = run_dir / "metrics.jsonl"
+        rows = read_jsonl(path) if path.exists() else []
+        return next((r["time"] for r in rows if r["kind"] == "train" and r["world_size"] == n), None)
+
+    return grow(args, start, world_of)
+
+
+VARIANTS = {"raytrain": run_ray_train, "ours": run_ours, "raytrain-grow": run_ray_train_grow, "ours-grow": run_ours_grow}
 
 
 def measure(args, variant: str) -> dict:
@@ -159,7 +250,8 @@ def measure(args, variant: str) -> dict:
 
 
 def forward(args) -> list[str]:
-    return ["--steps", str(args.steps), "--kill-at", str(args.kill_at), "--ckpt-every", str(args.ckpt_every), "--data", args.data]
+    return ["--steps", str(args.steps), "--kill-at", str(args.kill_at), "--ckpt-every", str(args.ckpt_every),
+            "--grow-timeout", str(args.grow_timeout), "--data", args.data]
 
 
 def main() -> None:
@@ -167,6 +259,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--kill-at", type=int, default=90, help="1-based step at which rank 1 dies")
     p.add_argument("--ckpt-every", type=int, default=25, help="Ray Train's checkpoint interval (steps)")
+    p.add_argument("--grow-timeout", type=float, default=240, help="longest wait for a step at 2 workers after the node")
     p.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "etrain-bench-data"))
     p.add_argument("--variant", choices=VARIANTS)
     args = p.parse_args()
@@ -176,10 +269,14 @@ def main() -> None:
     rows = {}
     for variant in ("raytrain", "ours"):
         rows[variant] = r = measure(args, variant)
-        print(f"{variant:9s} recovery {r['recovery_s']:6.2f} s   steps redone {r['steps_redone']}   run {r['wall_s']:6.1f} s", flush=True)
+        print(f"worker lost   {variant:9s} recovery {r['recovery_s']:6.2f} s   steps redone {r['steps_redone']}   run {r['wall_s']:6.1f} s", flush=True)
+    for variant in ("raytrain-grow", "ours-grow"):
+        rows[variant] = r = measure(args, variant)
+        print(f"node added    {variant:13s} first step at 2 workers {r['scale_out_s']:6.2f} s after the node", flush=True)
     ratios = {
         "ours_vs_raytrain_recovery_s": rows["ours"]["recovery_s"] / rows["raytrain"]["recovery_s"],
         "ours_vs_raytrain_wall_s": rows["ours"]["wall_s"] / rows["raytrain"]["wall_s"],
+        "ours_vs_raytrain_scale_out_s": rows["ours-grow"]["scale_out_s"] / rows["raytrain-grow"]["scale_out_s"],
     }
     for name, value in ratios.items():
         print(f"{name:32s} {value:6.3f}")

@@ -5,11 +5,15 @@ moves workers off a node. See tests/fake_cluster.py."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
 import re
 import signal
+import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -69,7 +73,43 @@ def status(cluster: FakeCluster, job: str) -> dict:
 
 
 def is_fake_node(node: str) -> bool:
-    return node.startswith("fffffffffff")  # the provider's node ids; the head's is random
+    """A node the autoscaler started: the provider numbers them ff..f00001, ff..f00002, ...; the head is ff..f00000."""
+    return node.startswith("fffffffffff") and not node.endswith("00000")
+
+
+@contextlib.contextmanager
+def fake_imds(when: float):
+    """AWS instance metadata (IMDSv2) with a spot interruption scheduled at `when`, after one 404 poll."""
+    polls = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self):
+            self._send(200, b"token-123")
+
+        def do_GET(self):
+            assert self.headers["X-aws-ec2-metadata-token"] == "token-123"
+            polls.append(self.path)
+            if len(polls) == 1:
+                return self._send(404, b"")
+            stamp = datetime.fromtimestamp(when, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            self._send(200, json.dumps({"action": "terminate", "time": stamp}).encode())
+
+        def _send(self, code: int, body: bytes):
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+    assert polls and all(p == "/latest/meta-data/spot/instance-action" for p in polls)
 
 
 def memberships(run_dir: Path) -> list[dict]:
@@ -103,11 +143,14 @@ def test_preemption_notice_moves_workers_off_the_node(cluster, data_dir, tmp_pat
     run_dir = tmp_path / "preempt"
     wait_for("two workers", lambda: any(m["world_after"] == 2 for m in memberships(run_dir)))
     doomed = next(m["node"] for m in status(cluster, job)["members"] if is_fake_node(m["node"]))
-    # What a spot interruption notice becomes on a Ray cluster (autoscaler v2, KubeRay, or a node watcher).
-    cluster.run("ray", "drain-node", "--address", cluster.address, "--node-id", doomed, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
-                "--reason-message", "spot interruption", "--deadline-remaining-seconds", "120")
+    # The node's spot watcher (cluster.yaml starts one per worker node) reads a 2-minute interruption
+    # notice from the instance metadata (here a stand-in on 127.0.0.1) and drains the node.
+    with fake_imds(time.time() + 120) as imds:
+        watched = cluster.run("etrain", "spot-watch", "--imds", imds, "--node-id", doomed, "--every", "0.2")
+    assert json.loads(watched.stdout.strip().splitlines()[-1])["action"] == "terminate"
     moved = wait_for("the preemption", lambda: next((m for m in memberships(run_dir) if m["reason"] == "preemption"), None))
-    assert (moved["world_before"], moved["lost"]) == (2, 1) and doomed not in moved["joiner_nodes"]
+    assert (moved["world_before"], moved["lost"]) == (2, 1) and moved["draining_nodes"] == [doomed]
+    assert doomed not in moved["joiner_nodes"]
     assert wait_job(cluster, job) == "succeeded", cluster.run("ray", "job", "logs", job).stdout[-3000:]
     later = [m for m in memberships(run_dir) if m["step"] >= moved["step"]]
     assert all(doomed not in m["joiner_nodes"] for m in later)
