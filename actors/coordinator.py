@@ -10,10 +10,8 @@ steps and keep the live actors: lost workers are replaced from the warm pool,
 joiners get the state of a live peer, the group is re-formed under a new store
 prefix, and the remaining samples are re-split. No restart, no checkpoint load.
 
-The worker module (torch) is imported first, at module load: receiving worker
-handles makes Ray load their class anyway, and a torch load racing other
-threads' imports in this process crashed it (oneMKL "Cannot load libtorch_cpu.so").
-Checkpoint state reaches the coordinator as bytes.
+Checkpoint state reaches the coordinator as bytes; it loads the worker class
+(and torch) only because Ray does so for the worker handles it receives.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.control import Observation, State, autoscale, next_state
 from actors.pool import WarmPool
-from actors.worker import spawn
 from app import checkpoint
 from app.config import Config
 from app.metrics import append_jsonl, truncate_after, write_json
@@ -70,7 +67,7 @@ class Coordinator:
         self.manifest = manifest
         self.caches: dict[str, object] = {}  # node id -> ShardCache actor
         self._fetched = {"fetched_bytes": 0, "fetched_shards": 0}
-        self.pool = WarmPool(self.cfg, manifest, spawn)
+        self.pool = WarmPool(self.cfg, manifest)
         self.step = self.cursor = self.saved_step = 0
         self.generation = 0
         self.workers = workers
@@ -130,9 +127,10 @@ class Coordinator:
     def request_scale(self, workers: int) -> None:
         """Ask for `workers` members; they join at step boundaries as ready workers allow.
         A manual request pins the size: the autoscaling policy stops for this run."""
-        most = self.cfg.train.global_batch if self.cfg.train.batch_scaling == "constant" else 10**6
-        if workers < 1 or workers > most:
-            raise ValueError(f"workers must lie in [1, train.global_batch={most}], got {workers}")
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        if self.cfg.train.batch_scaling == "constant" and workers > self.cfg.train.global_batch:
+            raise ValueError(f"workers must not exceed train.global_batch={self.cfg.train.global_batch} (every worker needs a sample), got {workers}")
         self.wanted, self.autoscaling = workers, False
 
     # -- the loop ---------------------------------------------------------------
@@ -298,9 +296,9 @@ class Coordinator:
         evicted = [w for w in self.workers if self.nodes.get(w) in self.draining]
         staying = [w for w in self.workers if w not in evicted]
         keep, leaving = staying[:target], staying[target:]
-        self._gather([w.leave.remote() for w in evicted + leaving], "group exit")
-        for w in evicted:
+        for w in evicted:  # its node is going away: no clean exit needed, and it may be gone already
             ray.kill(w)
+        self._gather([w.leave.remote() for w in leaving], "group exit")
         self.pool.give_back(leaving)
         reason = "preemption" if evicted else "scale-in" if target < len(self.workers) else "scale-out"
         self._change(keep, target - len(keep), reason=reason, started=started, lost=len(evicted))

@@ -15,8 +15,8 @@ from app.config import Config
 
 
 class WarmPool:
-    def __init__(self, cfg: Config, manifest: str, spawn):
-        self.cfg, self.manifest, self.spawn = cfg, manifest, spawn
+    def __init__(self, cfg: Config, manifest: str):
+        self.cfg, self.manifest = cfg, manifest
         self.idle: list = []
         self.warming: dict = {}  # worker -> its warm_up call, until the coordinator prepares it
         self.preparing: dict = {}  # worker -> its cache attach (the coordinator's), done = ready to join
@@ -27,7 +27,11 @@ class WarmPool:
         without waiting for the new actors to start."""
         missing = self.cfg.cluster.warm_pool + extra - len(self.idle)
         if missing > 0:
-            fresh = self.spawn(self.cfg, self.manifest, missing)
+            from actors.worker import (
+                spawn,  # torch, lazily: the driver imports this module and loads torch in a thread while Ray starts
+            )
+
+            fresh = spawn(self.cfg, self.manifest, missing)
             self.warming |= {w: w.warm_up.remote() for w in fresh}  # queued first: "up" then means warmed up
             self.idle += fresh
 

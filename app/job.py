@@ -6,10 +6,12 @@ it starts a local Ray instance (token authentication on, Ray's default).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
@@ -18,7 +20,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm import tqdm
 
 from actors.coordinator import Coordinator
-from actors.worker import spawn
 from app.api import NAMESPACE
 from app.config import Config, ConfigError
 from pipelines.embedded import ensure_corpus
@@ -53,14 +54,18 @@ def connect(cfg: Config) -> None:
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     # A local instance gets logical CPUs for every worker and the warm pool, even on a 2-core laptop.
     cpus = None if address else max(os.cpu_count() or 1, cfg.cluster.cpus_per_worker * (cfg.cluster.num_workers + cfg.cluster.warm_pool))
-    ray.init(address=address, num_cpus=cpus, namespace=NAMESPACE, logging_level=logging.WARNING)
+    # "local": a new instance even when a stale /tmp/ray/ray_current_cluster names a dead one.
+    ray.init(address=address or "local", num_cpus=cpus, namespace=NAMESPACE, logging_level=logging.WARNING)
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, started_at: float | None = None, progress: bool = True) -> dict:
     started_at = started_at or time.time()
-    manifest = resolve_data(cfg)
-    connect(cfg)
-    workers = spawn(cfg, manifest, cfg.cluster.num_workers)
+    # The worker module brings torch (~3 s to import): load it while Ray starts.
+    with ThreadPoolExecutor(1) as pool:
+        worker_module = pool.submit(importlib.import_module, "actors.worker")
+        manifest = resolve_data(cfg)
+        connect(cfg)
+        workers = worker_module.result().spawn(cfg, manifest, cfg.cluster.num_workers)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     coordinator = ray.remote(Coordinator).options(name=f"etrain:{run_dir.name}", num_cpus=0, max_concurrency=4, scheduling_strategy=here)
     coordinator = coordinator.remote(cfg.model_dump(), str(run_dir), manifest, started_at, workers)

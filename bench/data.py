@@ -165,7 +165,7 @@ def main() -> None:
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-data-"))
     bucket = start_s3()
-    ray.init(logging_level="warning")
+    ray.init(address="local", logging_level="warning")
     local = make_shards(tmp / "shards", args.shards, args.shard_mb)
     remote = upload(tmp / "shards", bucket, "shards")
     results = {"args": vars(args)}

@@ -28,8 +28,10 @@ Prints a table and the ratios, writes bench/results/elastic.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,7 +52,6 @@ def overrides(args) -> list[str]:
 
 def ray_train_loop(config: dict) -> None:
     """Ray Train's documented pattern: resume from ray.train.get_checkpoint(), report a checkpoint every N steps."""
-    import numpy as np
     import ray.train
     import ray.train.torch
     import torch
@@ -58,6 +59,7 @@ def ray_train_loop(config: dict) -> None:
     from app.config import Config
     from app.model import GPT
     from app.optim import make_optimizer, make_scheduler
+    from bench.throughput import ray_train_step
     from pipelines import order
     from pipelines.shards import ShardReader, read_manifest
 
@@ -85,14 +87,7 @@ def ray_train_loop(config: dict) -> None:
         if step + 1 == config["kill_at"] and rank == 1 and not Path(config["killed"]).exists():
             Path(config["killed"]).write_text(str(time.time()))
             os._exit(1)
-        ids = order.take(layout, step * cfg.train.global_batch, cfg.train.global_batch)
-        mine = torch.from_numpy(reader.get(order.split(ids, [1.0] * world)[rank]).astype(np.int64))
-        optimizer.zero_grad(set_to_none=True)
-        _, loss = model(mine[:, :-1], mine[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
+        ray_train_step(model, optimizer, scheduler, reader, layout, cfg, step, rank, world)
         if rank == 0:
             with log.open("a") as f:
                 f.write(json.dumps({"step": step + 1, "time": time.time(), "world": world}) + "\n")
@@ -115,7 +110,7 @@ def run_ray_train(args) -> dict:
 
     cfg = load_config("tiny", overrides(args))
     manifest = ensure_corpus(cfg)
-    ray.init(num_cpus=3, logging_level="warning")
+    ray.init(address="local", num_cpus=3, logging_level="warning")
     work = Path(tempfile.mkdtemp(prefix="raytrain-"))
     config = {"cfg": cfg.model_dump(), "manifest": manifest, "log": str(work / "steps.jsonl"), "killed": str(work / "killed"),
               "kill_at": args.kill_at, "ckpt_every": args.ckpt_every}
@@ -167,13 +162,15 @@ def grow(args, start, world_of) -> dict:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     thread = threading.Thread(target=start, args=(cluster.address,), daemon=True)
     thread.start()
-    first = wait(lambda: world_of(1), 300, "the first step")
+    wait(lambda: world_of(1), 300, "the first step")
     cluster.add_node(num_cpus=2)
     added = time.time()
     grown = wait(lambda: world_of(2), args.grow_timeout, "a step at 2 workers")
-    result = {"scale_out_s": grown - added, "startup_s": first - added}
-    print(json.dumps(result), flush=True)
-    os._exit(0)  # the run is not finished; the measurement is: leave without waiting for it
+    print(json.dumps({"scale_out_s": grown - added}), flush=True)
+    try:
+        cluster.shutdown()  # its processes and its address file; the unfinished run dies with them
+    finally:
+        os._exit(0)
 
 
 def wait(probe, timeout: float, what: str) -> float:
@@ -243,7 +240,14 @@ VARIANTS = {"raytrain": run_ray_train, "ours": run_ours, "raytrain-grow": run_ra
 def measure(args, variant: str) -> dict:
     cmd = [sys.executable, __file__, "--variant", variant, *forward(args)]
     launched = time.time()
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # Its own process group: a variant that leaves mid-run (the node-added ones) leaves Ray processes
+    # behind, and they go with the group.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    stdout, stderr = proc.communicate()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if out.returncode:
         raise SystemExit(f"{variant} failed:\n{out.stderr[-3000:]}")
     return {"variant": variant, **json.loads(out.stdout.strip().splitlines()[-1]), "wall_s": time.time() - launched}

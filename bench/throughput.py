@@ -88,7 +88,6 @@ def run_plain(args) -> list[float]:
 
 
 def ray_train_loop(config: dict) -> None:
-    import numpy as np
     import ray.train
     import ray.train.torch
     import torch
@@ -96,7 +95,6 @@ def ray_train_loop(config: dict) -> None:
     from app.config import Config
     from app.model import GPT
     from app.optim import make_optimizer, make_scheduler
-    from pipelines import order
     from pipelines.shards import ShardReader
 
     cfg = Config.model_validate(config["cfg"])
@@ -111,17 +109,27 @@ def ray_train_loop(config: dict) -> None:
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
     times = []
     for step in range(cfg.train.steps):
-        ids = order.take(layout, step * cfg.train.global_batch, cfg.train.global_batch)
-        mine = torch.from_numpy(reader.get(order.split(ids, [1.0] * world)[rank]).astype(np.int64))
-        optimizer.zero_grad(set_to_none=True)
-        _, loss = model(mine[:, :-1], mine[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
+        ray_train_step(model, optimizer, scheduler, reader, layout, cfg, step, rank, world)
         times.append(time.time())
     if rank == 0:  # Ray Train v2 returns no metrics without a checkpoint: hand them over by file
         Path(config["out"]).write_text(json.dumps(times))
+
+
+def ray_train_step(model, optimizer, scheduler, reader, layout, cfg, step: int, rank: int, world: int) -> None:
+    """One step of a Ray Train baseline: this rank's share of the global batch (our sample order), DDP, clip, update."""
+    import numpy as np
+    import torch
+
+    from pipelines import order
+
+    ids = order.take(layout, step * cfg.train.global_batch, cfg.train.global_batch)
+    mine = torch.from_numpy(reader.get(order.split(ids, [1.0] * world)[rank]).astype(np.int64))
+    optimizer.zero_grad(set_to_none=True)
+    _, loss = model(mine[:, :-1], mine[:, 1:])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+    optimizer.step()
+    scheduler.step()
 
 
 def run_ray_train(args) -> list[float]:
@@ -134,7 +142,7 @@ def run_ray_train(args) -> list[float]:
 
     cfg = load_config("tiny", overrides(args, args.workers, args.cpus))
     manifest = ensure_corpus(cfg)
-    ray.init(num_cpus=args.workers * args.cpus, logging_level="warning")  # as `etrain` does: dashboard on
+    ray.init(address="local", num_cpus=args.workers * args.cpus, logging_level="warning")  # as `etrain` does: dashboard on
     out = Path(tempfile.mkdtemp(prefix="raytrain-")) / "times.json"
     trainer = TorchTrainer(
         ray_train_loop,

@@ -51,7 +51,7 @@ def ray_session(s3_server):
         yield
         return
     # 4 logical CPUs on 2 cores: room for 3 workers; a test never shares a core budget with another suite.
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="warning")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")  # never a stray cluster
     yield
     ray.shutdown()
 
