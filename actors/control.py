@@ -11,6 +11,10 @@ import enum
 from dataclasses import dataclass
 
 
+class JobError(RuntimeError):
+    """Training cannot go on; the message says why and what to do."""
+
+
 class State(str, enum.Enum):
     STARTING = "starting"
     RUNNING = "running"  # the next step runs at the current membership

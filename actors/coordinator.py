@@ -24,8 +24,10 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.control import Observation, State, autoscale, next_state
+from actors.balance import Balancer
+from actors.control import JobError, Observation, State, autoscale, next_state
 from actors.pool import WarmPool
+from actors.ps_mode import PSTraining
 from app import checkpoint
 from app.config import Config
 from app.metrics import append_jsonl, truncate_after, write_json
@@ -38,10 +40,6 @@ log = logging.getLogger(__name__)
 
 PING_S = 2.0  # a live worker answers `info` at once; one that does not is hung or gone
 WATCH_S = 1.0  # how often the cluster is looked at: preemption notices, free room for autoscaling
-
-
-class JobError(RuntimeError):
-    """Training cannot go on; the message says why and what to do."""
 
 
 class StepFailed(Exception):
@@ -78,6 +76,7 @@ class Coordinator:
         self.draining: set[str] = set()  # nodes with a preemption notice
         self._next_watch = 0.0
         self.lost: list = []
+        self.balancer = Balancer(self.cfg.balance)
         self.recoveries = 0
         self.fired: set[int] = set()  # indexes into cfg.faults
         self.phase = State.STARTING
@@ -92,6 +91,9 @@ class Coordinator:
 
     def run(self, resume: bool) -> dict:
         try:
+            if self.cfg.comm.mode == "ps":
+                self._train_ps(resume)
+                return self._summary()
             self._form(self.workers, reason="start")
             if resume:
                 self._restore()
@@ -109,6 +111,22 @@ class Coordinator:
             raise
         finally:
             self._stop()
+
+    def _train_ps(self, resume: bool) -> None:
+        """Parameter-server mode (actors/ps_mode.py): no process group, no step barrier."""
+        infos = self._gather([w.info.remote() for w in self.workers], "worker start", self.cfg.timeouts.join_s)
+        self._attach_caches(self.workers, [i["node"] for i in infos])
+        ckpt = self._latest_checkpoint() if resume else None
+        if ckpt is not None:
+            self._rewind(ckpt, "resume")
+        self.phase = State.RUNNING
+        ps = PSTraining(self)
+        try:
+            ps.start(ckpt.state if ckpt is not None else None)
+            ps.run()
+        finally:
+            ps.close()
+        self.phase = State.FINISHED
 
     def poll(self) -> tuple[str, list[dict]]:
         """Phase and the records produced since the last poll."""
@@ -200,14 +218,21 @@ class Coordinator:
             self.pool.preparing[worker] = self._attach_caches([worker], [node], cursor=self.cursor, wait=False)[0]
 
     def _train_step(self) -> None:
-        """Take the next global batch, split it over the workers, commit when all finished."""
+        """Take the next global batch, split it over the workers by speed, commit when all finished."""
         started = time.perf_counter()
         batch = self.cfg.batch_at(len(self.workers))
-        shares = order.plan_step(self.layout, self.cursor, batch, [1.0] * len(self.workers))
+        was_balanced = self.balancer.balanced
+        weights = self.balancer.weights(self.workers)
+        shares = order.plan_step(self.layout, self.cursor, batch, weights)
         faults = self._faults_for(self.step + 1)
         refs = [w.train_step.remote(self.step, s, batch, self.cursor, faults.get(rank))
                 for rank, (w, s) in enumerate(zip(self.workers, shares))]
         results = self._collect(refs, started)
+        for worker, result in zip(self.workers, results):
+            self.balancer.observe(worker, result["samples"], result["compute_s"])
+        if self.balancer.balanced != was_balanced:
+            self._record({"kind": "balance", "step": self.step + 1, "balanced": self.balancer.balanced,
+                          "shares": [len(s) for s in shares], "time": time.time()})
         self._commit(results, time.perf_counter() - started)
 
     def _commit(self, results: list[dict] | None, elapsed: float | None) -> None:
@@ -220,7 +245,10 @@ class Coordinator:
             tokens = batch * self.cfg.model.seq_len
             record |= {
                 "loss": sum(r["loss"] for r in results), "lr": results[0]["lr"], "grad_norm": results[0]["grad_norm"],
-                "tokens_per_s": tokens / elapsed, "step_time_s": elapsed, "worker_s": max(r["compute_s"] for r in results),
+                "tokens_per_s": tokens / elapsed, "step_time_s": elapsed, "worker_s": max(r["worker_s"] for r in results),
+                "shares": [r["samples"] for r in results], "speeds": [round(r["samples"] / max(r["compute_s"], 1e-9), 2) for r in results],
+                "comm_bytes": sum(r["comm_bytes"] for r in results), "dense_bytes": sum(r["dense_bytes"] for r in results),
+                "optimizer_bytes": [r["optimizer_bytes"] for r in results],
                 **self._data_metrics([r["data"] for r in results]),
             }
         self._record(record)
@@ -277,22 +305,25 @@ class Coordinator:
     def _faults_for(self, step: int) -> dict[int, str]:
         due = {i: f for i, f in enumerate(self.cfg.faults) if f.step == step and i not in self.fired}
         self.fired |= set(due)
-        return {f.rank: f.kind for f in due.values()}
+        return {f.rank: f.model_dump() for f in due.values()}
 
     # -- membership ---------------------------------------------------------------
 
     def _recover(self) -> None:
-        """Survivors plus ready pool workers redo the step; fewer if the pool is short (more join when ready)."""
+        """Survivors plus ready pool workers redo the step; fewer if the pool is short (more join when ready).
+        With ZeRO-1 the lost workers took their optimizer shards along: everyone goes back to the last checkpoint."""
         started = self._failed_since  # "detect" spans the failed step, from its dispatch to the lost list
         survivors = [w for w in self.workers if w not in self.lost]
         self.recoveries += 1
-        self._change(survivors, self.wanted - len(survivors), reason="recover", lost=len(self.lost), started=started)
+        whole = self._rollback() if self._sharded() else None
+        self._change(survivors, self.wanted - len(survivors), reason="recover", lost=len(self.lost), started=started, whole=whole)
         self.lost = []
 
     def _resize(self) -> None:
         """Members on draining nodes leave (preemption); then shrink to, or grow towards, the target."""
         started = time.perf_counter()
         target = self._target()
+        whole = self._consolidate() if self._sharded() else None  # before anyone leaves: every shard is needed
         evicted = [w for w in self.workers if self.nodes.get(w) in self.draining]
         staying = [w for w in self.workers if w not in evicted]
         keep, leaving = staying[:target], staying[target:]
@@ -301,9 +332,9 @@ class Coordinator:
         self._gather([w.leave.remote() for w in leaving], "group exit")
         self.pool.give_back(leaving)
         reason = "preemption" if evicted else "scale-in" if target < len(self.workers) else "scale-out"
-        self._change(keep, target - len(keep), reason=reason, started=started, lost=len(evicted))
+        self._change(keep, target - len(keep), reason=reason, started=started, lost=len(evicted), whole=whole)
 
-    def _change(self, members: list, joining: int, reason: str, started: float, lost: int = 0) -> None:
+    def _change(self, members: list, joining: int, reason: str, started: float, lost: int = 0, whole=None) -> None:
         """Re-form the group as `members` plus up to `joining` ready pool workers; log each phase."""
         phases = {"detect": time.perf_counter() - started}
         t = time.perf_counter()
@@ -315,12 +346,32 @@ class Coordinator:
                  "joiner_nodes": [self.nodes.get(w) for w in joiners], "draining_nodes": sorted(self.draining)}
         if not members + joiners:
             raise JobError(f"no worker left and none ready in the warm pool; resume with `etrain train --resume {self.run_dir}`")
-        self._form(members + joiners, reason=reason, phases=phases)
+        self.balancer.forget(members + joiners)
+        self._form(members + joiners, reason=reason, phases=phases, whole=whole)
         self._refill()
         self._pending_event = {**event, "phases": phases, "_started": started}
 
-    def _form(self, members: list, reason: str, phases: dict | None = None) -> None:
-        """Make `members` the group at the current step: caches, state from a live peer, new generation."""
+    def _sharded(self) -> bool:
+        return self.cfg.comm.zero and len(self.workers) > 1
+
+    def _consolidate(self):
+        """ZeRO-1: the whole state, gathered from the current group's optimizer shards (a ref, from rank 0)."""
+        refs = [w.state.remote() for w in self.workers]
+        self._gather(refs, "optimizer state gathering", self.cfg.timeouts.join_s)
+        return refs[0]
+
+    def _rollback(self):
+        """Back to the last committed checkpoint: its state as a ref; the cursor and records follow."""
+        ckpt = self._latest_checkpoint()
+        if ckpt is None:
+            raise JobError(f"a worker was lost with its ZeRO-1 optimizer shard and there is no checkpoint under {self.ckpt_uri} "
+                           "to go back to; set checkpoint.every, or train without comm.zero")
+        self._rewind(ckpt, "rollback")
+        return ray.put(ckpt.state)
+
+    def _form(self, members: list, reason: str, phases: dict | None = None, whole=None) -> None:
+        """Make `members` the group at the current step: caches, state from a live peer (or `whole`,
+        a state every member loads after leaving the old group: ZeRO-1 re-shards it), new generation."""
         phases = phases if phases is not None else {}
         t = time.perf_counter()
         infos = self._gather([w.info.remote() for w in members], "worker start", self.cfg.timeouts.join_s)
@@ -329,7 +380,7 @@ class Coordinator:
         fresh = [(w, i["node"]) for w, i in zip(members, infos) if w not in self._attached]
         self._attach_caches([w for w, _ in fresh], [n for _, n in fresh])
         behind = [w for w, i in zip(members, infos) if i["applied"] != self.step]
-        if behind and reason != "start":
+        if behind and reason != "start" and whole is None:
             source = next((w for w, i in zip(members, infos) if i["applied"] == self.step), None)
             if source is None:
                 raise JobError(f"no live worker holds step {self.step}; resume from the last checkpoint with `etrain train --resume {self.run_dir}`")
@@ -338,6 +389,11 @@ class Coordinator:
         phases["migrate"] = time.perf_counter() - t
         t = time.perf_counter()
         self._gather([w.leave.remote() for w in members], "group exit", self.cfg.timeouts.join_s)
+        if whole is not None:
+            loaded = time.perf_counter()
+            self._gather([w.load_state.remote(whole, self.step) for w in members], "state migration", self.cfg.timeouts.join_s)
+            phases["migrate"] += time.perf_counter() - loaded
+            t += time.perf_counter() - loaded
         self.generation += 1
         host, port = self._gather([members[0].host_store.remote()], "store start")[0]
         joins = [w.join.remote(rank, len(members), host, port, self.generation) for rank, w in enumerate(members)]
@@ -359,17 +415,25 @@ class Coordinator:
         return attached
 
     def _restore(self) -> None:
-        ckpt = checkpoint.load_latest(self.ckpt_uri)
+        ckpt = self._latest_checkpoint()
         if ckpt is None:
             log.warning("no committed checkpoint under %s: starting from step 0", self.ckpt_uri)
             return
-        if ckpt.meta["config_hash"] != self.cfg.hash():
+        self._rewind(ckpt, "resume")
+        self._gather([w.load_state.remote(ray.put(ckpt.state), self.step) for w in self.workers], "state load", self.cfg.timeouts.join_s)
+
+    def _latest_checkpoint(self):
+        ckpt = checkpoint.load_latest(self.ckpt_uri)
+        if ckpt is not None and ckpt.meta["config_hash"] != self.cfg.hash():
             raise JobError(f"checkpoint {ckpt.path} was made by a different model/data/optimizer config; resume with the run's own config")
-        state = ray.put(ckpt.state)
+        return ckpt
+
+    def _rewind(self, ckpt, kind: str) -> None:
+        """The cursor and step to the checkpoint's; records of the steps after it are moved aside."""
         self.step, self.cursor = ckpt.meta["step"], ckpt.meta["cursor"]
-        self._gather([w.load_state.remote(state, self.step) for w in self.workers], "state load", self.cfg.timeouts.join_s)
+        self.saved_step = self.step
         moved = truncate_after(self.run_dir / "metrics.jsonl", self.step)
-        self._record({"kind": "resume", "step": self.step, "path": ckpt.path, "records_redone": moved, "time": time.time()})
+        self._record({"kind": kind, "step": self.step, "path": ckpt.path, "records_redone": moved, "time": time.time()})
 
     def _stop(self) -> None:
         for w in self.workers:
@@ -414,8 +478,11 @@ class Coordinator:
         self._record({"kind": "eval", "step": self.step, "eval_loss": loss, "time": time.time()})
 
     def _checkpoint(self) -> None:
+        members = self.workers if self._sharded() else self.workers[:1]  # ZeRO-1: every shard is gathered to rank 0
+        self._save(self._gather([w.state.remote() for w in members], "checkpoint")[0])
+
+    def _save(self, state: bytes) -> None:
         started = time.perf_counter()
-        state = self._gather([self.workers[0].state.remote()], "checkpoint")[0]
         meta = {"cursor": self.cursor, "config_hash": self.cfg.hash(), "config": self.cfg.model_dump(), "world_size": len(self.workers)}
         path = checkpoint.save(self.ckpt_uri, self.step, state, meta, self.cfg.checkpoint.keep)
         self.saved_step = self.step

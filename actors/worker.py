@@ -16,12 +16,14 @@ import numpy as np
 import ray
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from actors.compress import GradSync
 from app.checkpoint import deserialize, serialize
 from app.config import Config
 from app.model import GPT
-from app.optim import make_optimizer, make_scheduler
+from app.optim import make_optimizer, make_param_groups, make_scheduler
 from pipelines.order import Layout, take
 from pipelines.shards import ShardReader
 from pipelines.stream import StreamingReader
@@ -46,6 +48,8 @@ class TrainWorker:
         self.train_data: StreamingReader | None = None  # set by attach_cache
         self.eval_data = ShardReader(manifest, "eval", cfg.data.cache_shards)  # small, read directly
         self.ddp: DDP | GPT | None = None
+        self.sync: GradSync | None = None  # the DDP communication hook; keeps top-k residuals across groups
+        self.slowdown = 1.0  # > 1: an injected straggler (fault kind "slow")
         self._store: dist.TCPStore | None = None
         self.rank, self.world = -1, 0
         self.applied = 0  # optimizer steps in this worker's state: which step it can resume from
@@ -90,33 +94,88 @@ class TrainWorker:
             timeout=timedelta(seconds=timeouts.collective_s),
         )
         self.rank, self.world = rank, world
-        # Alone, DDP would only copy gradients into buckets and back: measurably slower, nothing gained.
-        self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None) if world > 1 else self.model
+        if world == 1:  # alone, DDP would only copy gradients into buckets and back: slower, nothing gained
+            self.ddp = self.model
+            return
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # Buffers (rotary tables) are the same everywhere by construction: no broadcast each forward.
+        self.ddp = DDP(self.model, device_ids=device_ids, bucket_cap_mb=self.cfg.comm.bucket_mb, broadcast_buffers=False)
+        comm = self.cfg.comm
+        self.sync = self.sync or GradSync(comm.compression, comm.topk_ratio, comm.powersgd_rank, comm.powersgd_start)
+        self.sync.register(self.ddp)
+        if comm.zero:
+            self._shard_optimizer()
 
-    def train_step(self, step: int, ids: np.ndarray, global_batch: int, cursor: int, fault: str | None = None) -> dict:
-        """This worker's share of one optimizer step: forward/backward, all-reduce, clip, update.
+    def _shard_optimizer(self) -> None:
+        """ZeRO-1 over the current group: keep only this rank's shard of the optimizer state.
+        The full state (from a checkpoint, a peer, or this worker) is re-partitioned on every join."""
+        full = self.optimizer.state_dict()
+        sharded = ZeroRedundancyOptimizer(
+            make_param_groups(self.model, self.cfg.optim), optimizer_class=torch.optim.AdamW,
+            lr=self.cfg.optim.lr, betas=(self.cfg.optim.beta1, self.cfg.optim.beta2),
+        )
+        sharded.load_state_dict(full)
+        self._set_optimizer(sharded)
+
+    def _unshard_optimizer(self, full: dict) -> None:
+        """Back to a whole optimizer holding `full` (a consolidated state): needs no process group."""
+        plain = make_optimizer(self.model, self.cfg.optim)
+        plain.load_state_dict(full)
+        self._set_optimizer(plain)
+
+    def _set_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        schedule = self.scheduler.state_dict()
+        self.optimizer = optimizer
+        self.scheduler = make_scheduler(optimizer, self.cfg.optim, self.cfg.train.steps)
+        self.scheduler.load_state_dict(schedule)
+
+    def optimizer_bytes(self) -> int:
+        """Optimizer state this worker holds (ZeRO-1 keeps 1/world of it)."""
+        local = self.optimizer.optim if isinstance(self.optimizer, ZeroRedundancyOptimizer) else self.optimizer
+        return sum(t.numel() * t.element_size() for st in local.state.values() for t in st.values() if torch.is_tensor(t))
+
+    def train_step(self, step: int, ids: np.ndarray, global_batch: int, cursor: int, fault: dict | None = None) -> dict:
+        """This worker's share of one optimizer step: forward/backward with the gradient sync
+        overlapping it, then clip and update.
 
         Each sample's loss weighs 1/global_batch however the batch is split, and
         DDP averages over the world, so the update equals the single-process
         update on the whole global batch for any split.
         """
         started = time.perf_counter()
-        if fault:
-            inject(fault)
+        self._inject(fault)
         torch.manual_seed(step_seed(self.cfg.train.seed, step, self.rank))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         rows, data = self.train_data.get(ids, cursor)
-        chunks = self._tensor(rows).split(self.cfg.train.micro_batch)
+        computing = time.perf_counter()
+        loss_sum = self._forward_backward(self._tensor(rows), global_batch / self.world)
+        sync = self.sync.take_stats() if self.sync else {}
+        compute_s = (sync.get("last_ready") or time.perf_counter()) - computing  # up to the last bucket: no waiting on peers
+        grad_norm, lr = self._update(global_batch)
+        self.applied = step + 1
+        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": compute_s,
+                "worker_s": time.perf_counter() - started, "comm_bytes": sync.get("comm_bytes", 0),
+                "dense_bytes": sync.get("dense_bytes", 0), "optimizer_bytes": self.optimizer_bytes(), "data": data}
+
+    def _forward_backward(self, rows: torch.Tensor, divisor: float) -> float:
+        """Micro-batches accumulate; only the last one's backward syncs, bucket by bucket as it goes."""
+        chunks = rows.split(self.cfg.train.micro_batch)
         loss_sum = 0.0
         for i, chunk in enumerate(chunks):
             sync = nullcontext() if i == len(chunks) - 1 or self.world == 1 else self.ddp.no_sync()
             with sync:
+                forward_started = time.perf_counter()
                 with self._autocast():
                     _, loss = self.ddp(chunk[:, :-1], chunk[:, 1:])
-                weighted = loss * len(chunk) / global_batch
-                self.scaler.scale(weighted * self.world).backward()
-            loss_sum += weighted.item()
+                if self.slowdown > 1:  # an injected straggler: backward costs about twice the forward
+                    time.sleep((self.slowdown - 1) * 3 * (time.perf_counter() - forward_started))
+                weighted = loss * len(chunk) / divisor
+                self.scaler.scale(weighted).backward()
+            loss_sum += weighted.item() / self.world
+        return loss_sum
+
+    def _update(self, global_batch: int) -> tuple[float, float]:
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.optim.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()
@@ -128,8 +187,92 @@ class TrainWorker:
         self.scaler.update()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
-        self.applied = step + 1
-        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": time.perf_counter() - started, "data": data}
+        return grad_norm, lr
+
+    def _inject(self, fault: dict | None) -> None:
+        """Failure injection (config `faults`): die like a lost node, hang like a stuck one, or slow down."""
+        if not fault:
+            return
+        if fault["kind"] == "slow":
+            self.slowdown = fault["factor"]
+        elif fault["kind"] == "kill":
+            os._exit(1)
+        elif fault["kind"] == "hang":
+            time.sleep(10**6)
+
+    # -- parameter-server mode (actors/ps_mode.py) -------------------------------------
+
+    def ps_attach(self, shards: list, names: list[list[str]], index: int) -> None:
+        """Work against parameter shards, outside any process group: `index` names this worker to them."""
+        self.ps = list(zip(shards, names))
+        self.ddp, self.rank, self.world = self.model, index, 1
+        self.versions = [0] * len(shards)
+
+    def ps_pull(self, computing: bool = True) -> None:
+        """The shards' current parameters into this replica: to compute a gradient on (the shards then
+        count this worker as computing on that version), or to evaluate."""
+        pulled = ray.get([shard.pull.remote(self.rank) if computing else shard.read.remote() for shard, _ in self.ps])
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for i, (version, tensors) in enumerate(pulled):
+                self.versions[i] = version
+                for name, tensor in tensors.items():
+                    params[name].copy_(tensor)
+
+    def ps_step(self, step: int, ids: np.ndarray, cursor: int, fault: dict | None = None) -> dict:
+        """Pull, compute the gradient of `ids`, push it; return once an update holds it."""
+        started = time.perf_counter()
+        self._inject(fault)
+        torch.manual_seed(step_seed(self.cfg.train.seed, step, self.rank))
+        self.ps_pull()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        rows, data = self.train_data.get(ids, cursor)
+        computing = time.perf_counter()
+        loss_sum = self._forward_backward(self._tensor(rows), 1.0)  # gradient of the sum of per-sample losses
+        compute_s = time.perf_counter() - computing
+        grads = {n: p.grad for n, p in self.model.named_parameters()}
+        grad_norm = self._clip_sum(grads, len(ids))
+        pushes = [shard.push.remote(self.rank, version, {n: grads[n] for n in names}, len(ids))
+                  for (shard, names), version in zip(self.ps, self.versions)]
+        applied = ray.get(pushes)
+        lr = applied[0]["lr"]
+        return {"loss": loss_sum / len(ids), "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": compute_s,
+                "worker_s": time.perf_counter() - started, "staleness": max(a["staleness"] for a in applied),
+                "version": max(a["version"] for a in applied), "data": data}
+
+    def _clip_sum(self, grads: dict, samples: int) -> float:
+        """Clip this worker's mean gradient to optim.grad_clip (each push is clipped on its own; the norm is returned)."""
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item() / samples
+        clip = self.cfg.optim.grad_clip
+        if clip and norm > clip:
+            for g in grads.values():
+                g.mul_(clip / norm)
+        return norm
+
+    def ps_export(self) -> tuple[dict, dict]:
+        """Parameters and Adam moments by parameter name, to fill the shards."""
+        names = self._optimizer_order()
+        state = self.optimizer.state_dict()["state"]
+        params = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
+        return params, {names[i]: _to_cpu(st) for i, st in state.items()}
+
+    def ps_state(self, params: dict, moments: dict, step: int) -> bytes:
+        """A checkpoint from the shards' parameters and moments, in the format every mode loads."""
+        full = self.optimizer.state_dict()
+        order = {n: i for i, n in enumerate(self._optimizer_order())}
+        full["state"] = {order[n]: m for n, m in moments.items()}
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(params[name])
+        self.optimizer.load_state_dict(full)
+        self.scheduler.last_epoch = step
+        return self.state()
+
+    def _optimizer_order(self) -> list[str]:
+        """Parameter names in the optimizer's index order (its param groups, one after the other)."""
+        name = {id(p): n for n, p in self.model.named_parameters()}
+        return [name[id(p)] for g in make_param_groups(self.model, self.cfg.optim) for p in g["params"]]
 
     @torch.no_grad()
     def evaluate(self, ids: np.ndarray) -> tuple[float, int]:
@@ -142,8 +285,16 @@ class TrainWorker:
             total += loss.item() * len(chunk)
         return total, len(ids)
 
-    def state(self) -> bytes:
-        """Model, optimizer, scheduler and scaler state, serialised for a checkpoint."""
+    def state(self) -> bytes | None:
+        """Model, optimizer, scheduler and scaler state, serialised for a checkpoint or a peer.
+
+        With ZeRO-1 every member must call this together (the shards are gathered to rank 0);
+        only rank 0 returns the state, the others None."""
+        sharded = isinstance(self.optimizer, ZeroRedundancyOptimizer)
+        if sharded:
+            self.optimizer.consolidate_state_dict(to=0)
+            if self.rank != 0:
+                return None
         return serialize({
             "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
             "optimizer": _to_cpu(self.optimizer.state_dict()),
@@ -152,12 +303,15 @@ class TrainWorker:
         })
 
     def load_state(self, data: bytes, step: int) -> None:
-        """Take a checkpoint's or a live peer's state, which is at `step`."""
+        """Take a checkpoint's or a live peer's state, which is at `step`. In a group with ZeRO-1,
+        keep only this rank's shard of the optimizer state; outside one, all of it."""
         state = deserialize(data)
         self.applied = step
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self._unshard_optimizer(state["optimizer"])
+        if self.cfg.comm.zero and self.world > 1:
+            self._shard_optimizer()
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 
@@ -166,6 +320,11 @@ class TrainWorker:
         return torch.cat([p.grad.detach().flatten().cpu() for p in self.model.parameters()])
 
     def leave(self) -> None:
+        """Leave the group. A ZeRO-1 shard is useless without its group: the optimizer state is
+        then incomplete until `load_state` gives a whole one, and this worker no state source."""
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            self._set_optimizer(make_optimizer(self.model, self.cfg.optim))
+            self.applied = -1
         if dist.is_initialized():
             dist.destroy_process_group()
         self.ddp, self.rank, self.world = None, -1, 0
@@ -178,14 +337,6 @@ class TrainWorker:
             return nullcontext()
         dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
-
-
-def inject(fault: str) -> None:
-    """Failure injection (config `faults`): die like a lost node, or hang like a stuck one."""
-    if fault == "kill":
-        os._exit(1)
-    if fault == "hang":
-        time.sleep(10**6)
 
 
 def spawn(cfg: Config, manifest: str, count: int) -> list:

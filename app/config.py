@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # What a resume may change: how, where and how long a run goes on; never the model, data or optimizer.
-RESUMABLE = ("train.steps", "train.eval_every", "train.eval_samples", "checkpoint", "cluster", "timeouts", "run", "prepare", "faults")
+RESUMABLE = ("train.steps", "train.eval_every", "train.eval_samples", "checkpoint", "cluster", "timeouts", "run", "prepare", "faults",
+             "balance", "comm.bucket_mb", "comm.zero")
 
 
 class ConfigError(ValueError):
@@ -117,6 +118,32 @@ class OptimConfig(Section):
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
 
 
+class CommConfig(Section):
+    """Gradient synchronisation: all-reduce (bucketed, overlapping the backward pass, optionally
+    compressed, optionally with sharded optimizer state) or a bounded-staleness parameter server."""
+
+    mode: Literal["allreduce", "ps"] = Field("allreduce", description="allreduce: DDP ring all-reduce; ps: parameter-server shards with bounded staleness")
+    compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
+        "none", description="fp16/bf16/powersgd: torch's DDP hooks; topk: ours, with error feedback")
+    topk_ratio: float = Field(0.1, gt=0, le=1, description="topk: fraction of gradient entries sent per step")
+    powersgd_rank: int = Field(2, ge=1, description="powersgd: rank of the low-rank approximation")
+    powersgd_start: int = Field(10, ge=2, description="powersgd: steps of plain all-reduce before compressing")
+    bucket_mb: float = Field(25, gt=0, description="DDP bucket size: gradients are sent bucket by bucket during backward")
+    zero: bool = Field(False, description="ZeRO-1: each worker keeps only its shard of the optimizer state")
+    ps_shards: int = Field(2, ge=1, description="ps: parameter-server actors, spread over nodes")
+    ps_window_s: float = Field(0.3, gt=0, description="ps: how long an update waits for a late gradient before going on without it")
+    ps_max_staleness: int = Field(4, ge=1, description="ps: the most updates a gradient may lag behind; fast workers wait beyond it")
+
+
+class BalanceConfig(Section):
+    """Straggler-aware split of each step's global batch (the global batch itself never changes)."""
+
+    enabled: bool = Field(True, description="give each worker a share of the batch proportional to its speed")
+    slow_below: float = Field(0.8, gt=0, lt=1, description="rebalance when a worker is slower than this fraction of the mean speed")
+    ema: float = Field(0.3, gt=0, le=1, description="weight of the newest step in each worker's speed average")
+    patience: int = Field(3, ge=1, description="steps in a row a straggler (or its recovery) must be seen before the split changes")
+
+
 class CheckpointConfig(Section):
     every: int = Field(50, ge=0, description="steps between checkpoints; 0 = only at the end")
     uri: str | None = Field(None, description="directory or URI; default RUN_DIR/checkpoints")
@@ -159,11 +186,12 @@ class TimeoutConfig(Section):
 
 
 class Fault(Section):
-    """Failure injection for tests and drills: at `step` (1-based), worker `rank` dies or hangs."""
+    """Failure injection for tests and drills: at `step` (1-based), worker `rank` dies, hangs or slows down."""
 
     rank: int = Field(ge=0)
     step: int = Field(ge=1)
-    kind: Literal["kill", "hang"] = "kill"
+    kind: Literal["kill", "hang", "slow"] = "kill"
+    factor: float = Field(2.0, ge=1, description="slow: compute takes this many times as long from `step` on (a straggler)")
 
 
 class RunConfig(Section):
@@ -177,6 +205,8 @@ class Config(Section):
     prepare: PrepareConfig = PrepareConfig()
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
+    comm: CommConfig = CommConfig()
+    balance: BalanceConfig = BalanceConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     cluster: ClusterConfig = ClusterConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
@@ -196,6 +226,11 @@ class Config(Section):
             raise ValueError(f"cluster.max_workers={self.cluster.max_workers} is below cluster.num_workers={self.cluster.num_workers}")
         if (self.cluster.max_workers or 0) > self.train.global_batch and self.train.batch_scaling == "constant":
             raise ValueError(f"cluster.max_workers={self.cluster.max_workers} exceeds train.global_batch={self.train.global_batch}: every worker needs a sample")
+        if self.comm.mode == "ps" and (self.comm.zero or self.comm.compression != "none"):
+            raise ValueError("comm.mode=ps sends whole gradients to the parameter servers: comm.zero and comm.compression apply to allreduce only")
+        if self.comm.mode == "ps" and self.train.global_batch % self.cluster.num_workers:
+            raise ValueError(f"comm.mode=ps gives each worker train.global_batch / cluster.num_workers samples per push: "
+                             f"make train.global_batch={self.train.global_batch} a multiple of cluster.num_workers={self.cluster.num_workers}")
         if self.train.batch_scaling == "linear" and self.train.global_batch % self.cluster.num_workers:
             raise ValueError(
                 f"train.batch_scaling=linear needs train.global_batch={self.train.global_batch} to be a multiple of "

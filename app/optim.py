@@ -12,13 +12,16 @@ from app.config import OptimConfig
 
 
 def make_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(make_param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def make_param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     # Norm gains and biases are not decayed: shrinking them only hurts (nanoGPT, GPT-2).
     params = list(model.parameters())
-    groups = [
+    return [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:

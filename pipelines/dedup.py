@@ -14,6 +14,7 @@ import zlib
 
 import numpy as np
 
+
 def permutations(num_perm: int, seed: int = 1) -> np.ndarray:
     """One random 64-bit key per hash function."""
     return np.random.default_rng(seed).integers(0, 2**63, num_perm, dtype=np.uint64)

@@ -2,32 +2,16 @@
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 import pytest
-import ray
+from runs import FAST, records, run, run_scaled
 
 from app.cli import main
 from app.job import new_run_dir, train
-from app.metrics import read_jsonl
 from app.optim import lr_factor
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-
-FAST = ["cluster.warm_pool=1", "train.eval_every=0", "checkpoint.every=0", "timeouts.collective_s=5", "timeouts.step_s=15", "timeouts.join_s=60"]
-
-
-def records(run_dir: Path, kind: str) -> list[dict]:
-    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == kind]
-
-
-def run(make_cfg, name: str, *overrides: str) -> Path:
-    cfg = make_cfg(*FAST, f"run.name={name}", *overrides)
-    run_dir = new_run_dir(cfg)
-    train(cfg, run_dir, progress=False)
-    return run_dir
 
 
 @pytest.fixture(scope="module")
@@ -75,27 +59,7 @@ def test_autoscaling_grows_onto_free_room_with_linear_scaling(make_cfg):
 
 
 def test_scale_out_and_in_while_training_keeps_learning(make_cfg, reference):
-    cfg = make_cfg(*FAST, "run.name=elastic", "train.steps=60", "faults=[{rank: 0, step: 57}]")
-    run_dir = new_run_dir(cfg)
-
-    def drive():
-        coordinator = None
-        while coordinator is None:
-            try:
-                coordinator = ray.get_actor("etrain:elastic")
-            except ValueError:
-                time.sleep(0.05)
-        while ray.get(coordinator.status.remote())["warm_pool_ready"] < 1:
-            time.sleep(0.1)
-        for workers in (3, 2):
-            assert main(["scale", str(run_dir), "--workers", str(workers)]) == 0
-            while ([{}] + records(run_dir, "train"))[-1].get("world_size") != workers:
-                time.sleep(0.02)
-
-    thread = threading.Thread(target=drive, daemon=True)
-    thread.start()
-    train(cfg, run_dir, progress=False)
-    thread.join(timeout=5)
+    run_dir = run_scaled(make_cfg, "elastic", (3, 2), "train.steps=60", "faults=[{rank: 0, step: 57}]")
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, 61))
     assert 3 in {r["world_size"] for r in steps} and steps[-1]["world_size"] == 2

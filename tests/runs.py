@@ -1,0 +1,55 @@
+"""Running a real job from a test, and reading what it recorded."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+from app.cli import main
+from app.job import new_run_dir, train
+from app.metrics import read_jsonl
+
+# Short timeouts so a broken path fails fast; no evaluations or checkpoints unless a test asks. A fixed
+# (equal) split, so runs compare bitwise: speed-based splits depend on timing (tests/test_comm.py has them).
+FAST = ["cluster.warm_pool=1", "train.eval_every=0", "checkpoint.every=0", "timeouts.collective_s=5", "timeouts.step_s=15",
+        "timeouts.join_s=60", "balance.enabled=false"]
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == kind]
+
+
+def run(make_cfg, name: str, *overrides: str) -> Path:
+    cfg = make_cfg(*FAST, f"run.name={name}", *overrides)
+    run_dir = new_run_dir(cfg)
+    train(cfg, run_dir, progress=False)
+    return run_dir
+
+
+def run_scaled(make_cfg, name: str, sizes: tuple[int, ...], *overrides: str) -> Path:
+    """A run that `etrain scale` resizes to each of `sizes` in turn, as soon as a pool worker is ready."""
+    cfg = make_cfg(*FAST, f"run.name={name}", *overrides)
+    run_dir = new_run_dir(cfg)
+
+    def drive():
+        coordinator = None
+        while coordinator is None:
+            try:
+                coordinator = ray.get_actor(f"etrain:{name}")
+            except ValueError:
+                time.sleep(0.05)
+        while ray.get(coordinator.status.remote())["warm_pool_ready"] < 1:
+            time.sleep(0.1)
+        for workers in sizes:
+            assert main(["scale", str(run_dir), "--workers", str(workers)]) == 0
+            while ([{}] + records(run_dir, "train"))[-1].get("world_size") != workers:
+                time.sleep(0.02)
+
+    thread = threading.Thread(target=drive, daemon=True)
+    thread.start()
+    train(cfg, run_dir, progress=False)
+    thread.join(timeout=5)
+    return run_dir
