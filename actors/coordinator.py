@@ -136,10 +136,12 @@ class Coordinator:
 
     def status(self) -> dict:
         """Where the run stands (the Python API and `etrain scale` show this)."""
-        members = [{"rank": r, "node": self.nodes.get(w), "pid": self.pids.get(w)} for r, w in enumerate(self.workers)]
+        members = [{"rank": r, "node": self.nodes.get(w), "pid": self.pids.get(w), "speed": self.balancer.speeds.get(w)}
+                   for r, w in enumerate(self.workers)]
         return {"phase": self.phase.value, "step": self.step, "world_size": len(self.workers), "wanted": self.wanted,
                 "autoscaling": self.autoscaling, "warm_pool_ready": self.pool.ready(), "warm_pool_size": len(self.pool.idle),
                 "recoveries": self.recoveries, "generation": self.generation, "draining_nodes": sorted(self.draining),
+                "balanced": self.balancer.balanced, "comm": self.cfg.comm.mode,
                 "members": members}
 
     def request_scale(self, workers: int) -> None:

@@ -99,9 +99,9 @@ class TrainWorker:
             return
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # Buffers (rotary tables) are the same everywhere by construction: no broadcast each forward.
-        self.ddp = DDP(self.model, device_ids=device_ids, bucket_cap_mb=self.cfg.comm.bucket_mb, broadcast_buffers=False)
+        self.ddp = DDP(self.model, device_ids=device_ids, bucket_cap_mb=self.cfg.comm.bucket_mb, forward_sync_buffers=False)
         comm = self.cfg.comm
-        self.sync = self.sync or GradSync(comm.compression, comm.topk_ratio, comm.powersgd_rank, comm.powersgd_start)
+        self.sync = self.sync or GradSync(comm.compression, comm.topk_ratio, comm.powersgd_rank, comm.compress_start)
         self.sync.register(self.ddp)
         if comm.zero:
             self._shard_optimizer()
@@ -148,6 +148,8 @@ class TrainWorker:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         rows, data = self.train_data.get(ids, cursor)
+        if self.sync:
+            self.sync.step = step
         computing = time.perf_counter()
         loss_sum = self._forward_backward(self._tensor(rows), global_batch / self.world)
         sync = self.sync.take_stats() if self.sync else {}

@@ -18,9 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-# What a resume may change: how, where and how long a run goes on; never the model, data or optimizer.
+# What a resume may change: how, where and how long a run goes on (and how gradients travel); never the
+# model, data or optimizer.
 RESUMABLE = ("train.steps", "train.eval_every", "train.eval_samples", "checkpoint", "cluster", "timeouts", "run", "prepare", "faults",
-             "balance", "comm.bucket_mb", "comm.zero")
+             "balance", "comm")
 
 
 class ConfigError(ValueError):
@@ -127,7 +128,8 @@ class CommConfig(Section):
         "none", description="fp16/bf16/powersgd: torch's DDP hooks; topk: ours, with error feedback")
     topk_ratio: float = Field(0.1, gt=0, le=1, description="topk: fraction of gradient entries sent per step")
     powersgd_rank: int = Field(2, ge=1, description="powersgd: rank of the low-rank approximation")
-    powersgd_start: int = Field(10, ge=2, description="powersgd: steps of plain all-reduce before compressing")
+    compress_start: int = Field(20, ge=2, description="topk, powersgd: steps of plain all-reduce before compressing "
+                                "(PowerSGD counts them again after each membership change)")
     bucket_mb: float = Field(25, gt=0, description="DDP bucket size: gradients are sent bucket by bucket during backward")
     zero: bool = Field(False, description="ZeRO-1: each worker keeps only its shard of the optimizer state")
     ps_shards: int = Field(2, ge=1, description="ps: parameter-server actors, spread over nodes")

@@ -4,10 +4,11 @@
    static equal split vs our speed-proportional rebalancing vs the
    parameter-server mode, as throughput (samples/s after warm-up) over static.
 2. Compression: each mode's bytes handed to the collectives per worker per step
-   vs uncompressed, and the eval loss after the same number of steps.
+   vs uncompressed (over the whole run, which starts with `comm.compress_start`
+   plain steps, and once compressing), and the eval loss after the same steps.
 3. ZeRO-1: optimizer state held per worker vs replicated.
 
-    python bench/comm.py [--steps 150] [--straggler-steps 60] [--only NAME ...]
+    python bench/comm.py [--steps 300] [--straggler-steps 60] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from app.metrics import read_jsonl
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SLOW = "faults=[{rank: 1, step: 2, kind: slow, factor: 2}]"
-STRAGGLER = {"static": [SLOW, "balance.enabled=false"], "balanced": [SLOW], "ps": [SLOW, "comm.mode=ps"]}
+# PS mode twice: at the seeds' 300 ms window, and at a window below this model's ~0.1 s step, where a
+# late push (the straggler's extra ~0.1 s) is no longer waited for.
+STRAGGLER = {"static": [SLOW, "balance.enabled=false"], "balanced": [SLOW], "ps": [SLOW, "comm.mode=ps"],
+             "ps_short_window": [SLOW, "comm.mode=ps", "comm.ps_window_s=0.02"]}
 SYNC = {"none": [], "fp16": ["comm.compression=fp16"], "bf16": ["comm.compression=bf16"],
         "powersgd": ["comm.compression=powersgd"], "topk": ["comm.compression=topk"], "zero": ["comm.zero=true"]}
 WARMUP = 10  # steps left out of throughput: start-up, first buckets, the balancer's first measurements
@@ -50,6 +54,7 @@ def run_variant(name: str, overrides: list[str], steps: int, root: Path, data_di
         world = b["world_size"]
         result["bytes_per_worker_step"] = sum(r["comm_bytes"] for r in steps_) / len(steps_) / world
         result["dense_bytes_per_worker_step"] = sum(r["dense_bytes"] for r in steps_) / len(steps_) / world
+        result["last_step_bytes_per_worker"] = b["comm_bytes"] / world  # after comm.compress_start: compressing
         result["optimizer_bytes_per_worker"] = max(b["optimizer_bytes"])
     if name == "balanced":
         result["final_shares"] = b["shares"]
@@ -63,12 +68,15 @@ def compare(results: dict) -> dict:
     out = {}
     if "static" in results:
         static = results["static"]["samples_per_s"]
-        out |= {f"{k}_vs_static_throughput": results[k]["samples_per_s"] / static for k in ("balanced", "ps") if k in results}
+        out |= {f"{k}_vs_static_throughput": results[k]["samples_per_s"] / static for k in ("balanced", "ps", "ps_short_window") if k in results}
+        out |= {f"{k}_eval_loss_vs_static": results[k]["eval_loss"] / results["static"]["eval_loss"] - 1
+                for k in ("balanced", "ps", "ps_short_window") if k in results}
     if "none" in results:
         none = results["none"]
         for k in ("fp16", "bf16", "powersgd", "topk"):
             if k in results:
                 out[f"{k}_bytes_vs_none"] = results[k]["bytes_per_worker_step"] / none["bytes_per_worker_step"]
+                out[f"{k}_bytes_vs_none_compressing"] = results[k]["last_step_bytes_per_worker"] / none["last_step_bytes_per_worker"]
                 out[f"{k}_eval_loss_change"] = results[k]["eval_loss"] / none["eval_loss"] - 1
         if "zero" in results:
             out["zero_optimizer_bytes_vs_replicated"] = results["zero"]["optimizer_bytes_per_worker"] / none["optimizer_bytes_per_worker"]
@@ -77,7 +85,7 @@ def compare(results: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=150, help="steps of each compression / ZeRO run")
+    parser.add_argument("--steps", type=int, default=300, help="steps of each compression / ZeRO run")
     parser.add_argument("--straggler-steps", type=int, default=60, help="steps of each straggler run")
     parser.add_argument("--only", nargs="*", choices=[*STRAGGLER, *SYNC], help="run only these variants")
     parser.add_argument("--data", default=str(Path.home() / ".cache/etrain/data"), help="where the embedded corpus is built")

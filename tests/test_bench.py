@@ -41,3 +41,15 @@ def test_elastic_bench_ours_variant_recovers(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["steps"] == 40 and result["steps_redone"] in (0, 1) and result["recovery_s"] > 0
+
+
+def test_comm_bench_runs_a_straggler_variant_and_compares(ray_session, data_dir, tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import comm
+
+    small = ["data.corpus_bytes=1500000", "data.shard_bytes=200000"]  # the session's corpus
+    result = comm.run_variant("balanced", [*comm.STRAGGLER["balanced"], *small], 14, tmp_path, data_dir)
+    assert result["samples_per_s"] > 0 and sum(result["final_shares"]) == 16
+    assert result["bytes_per_worker_step"] == result["dense_bytes_per_worker_step"] > 0
+    ratios = comm.compare({"static": result | {"samples_per_s": result["samples_per_s"] / 2}, "balanced": result})
+    assert ratios["balanced_vs_static_throughput"] == 2.0

@@ -23,7 +23,7 @@ from actors.compress import SEGMENT, GradSync, topk_compress, topk_decompress, t
 WORLD = 2
 BUCKET_MB = 0.1  # two buckets once DDP rebuilds them after step 0; the 256x256 one spans three top-k segments
 STEPS = 4
-POWERSGD_START = 2  # the least torch allows: DDP rebuilds its buckets after the first step
+POWERSGD_START = 2  # the least torch allows: DDP rebuilds its buckets after the first step; top-k's start too
 EF_STEPS = 3  # top-k steps on each DDP in the error-feedback scenario
 
 
@@ -68,6 +68,7 @@ def train_steps(ddp: DDP, sync: GradSync, rank: int, steps: range) -> list[dict]
     """Backward only (no optimizer): each step's stats, with the bytes that really went out."""
     stats = []
     for step in steps:
+        sync.step = step
         ddp.module.zero_grad()
         with wire_bytes() as sent:
             loss_of(ddp, batch(rank, step)).backward()
@@ -78,7 +79,7 @@ def train_steps(ddp: DDP, sync: GradSync, rank: int, steps: range) -> list[dict]
 def round_trip(rank: int, mode: str) -> dict:
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
-    sync = GradSync(mode, topk_ratio=0.1, powersgd_rank=2, powersgd_start=POWERSGD_START)
+    sync = GradSync(mode, topk_ratio=0.1, powersgd_rank=2, start=POWERSGD_START)
     sync.register(ddp)
     out = {"stats": train_steps(ddp, sync, rank, range(STEPS)), "grad": flat_grad(model)}
     if mode == "powersgd":  # a new group: PowerSGD starts over with plain all-reduce
@@ -169,7 +170,8 @@ def test_cast_modes_average_the_gradient(ranks, exact_grad, mode, ratio, tol):
 def test_topk_sends_a_tenth(ranks, exact_grad):
     result = [r["topk"] for r in ranks]
     check_counted(result)
-    assert all(0.1 <= r <= 0.11 for r in ratios(result[0]["stats"]))
+    assert ratios(result[0]["stats"])[:POWERSGD_START] == [1.0] * POWERSGD_START  # plain all-reduce first
+    assert all(0.1 <= r <= 0.11 for r in ratios(result[0]["stats"])[POWERSGD_START:])
     assert torch.cosine_similarity(result[0]["grad"], exact_grad, dim=0) > 0.5  # the largest entries carry most of it
 
 
