@@ -98,6 +98,8 @@ class Coordinator:
             if resume:
                 self._restore()
             self.saved_step = self.step
+            if self.cfg.comm.zero and self._latest_checkpoint() is None:
+                self._checkpoint()  # something to go back to when a worker is lost with its optimizer shard
             self._refill()
             handlers = {State.RUNNING: self._run_step, State.CHECKPOINTING: self._checkpoint,
                         State.RESIZING: self._resize, State.RECOVERING: self._recover}
@@ -149,6 +151,8 @@ class Coordinator:
         A manual request pins the size: the autoscaling policy stops for this run."""
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
+        if self.cfg.comm.mode == "ps":
+            raise ValueError("a parameter-server run (comm.mode=ps) keeps its workers: it cannot be resized")
         if self.cfg.train.batch_scaling == "constant" and workers > self.cfg.train.global_batch:
             raise ValueError(f"workers must not exceed train.global_batch={self.cfg.train.global_batch} (every worker needs a sample), got {workers}")
         self.wanted, self.autoscaling = workers, False
@@ -326,6 +330,8 @@ class Coordinator:
         started = time.perf_counter()
         target = self._target()
         whole = self._consolidate() if self._sharded() else None  # before anyone leaves: every shard is needed
+        if self._sharded() and whole is None:
+            return  # a member is gone: the next decision is a recovery
         evicted = [w for w in self.workers if self.nodes.get(w) in self.draining]
         staying = [w for w in self.workers if w not in evicted]
         keep, leaving = staying[:target], staying[target:]
@@ -357,9 +363,16 @@ class Coordinator:
         return self.cfg.comm.zero and len(self.workers) > 1
 
     def _consolidate(self):
-        """ZeRO-1: the whole state, gathered from the current group's optimizer shards (a ref, from rank 0)."""
+        """ZeRO-1: the whole state, gathered from the current group's optimizer shards (a ref, from rank 0).
+        None if a member is gone (a preempted node may be): then recovery goes back to the last checkpoint."""
         refs = [w.state.remote() for w in self.workers]
-        self._gather(refs, "optimizer state gathering", self.cfg.timeouts.join_s)
+        try:
+            ray.get(refs, timeout=self.cfg.timeouts.step_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as e:
+            self._failed_since, self.lost = time.perf_counter(), self._find_lost()
+            if not self.lost:
+                raise JobError(f"gathering the ZeRO-1 optimizer state failed on live workers: {e}") from None
+            return None
         return refs[0]
 
     def _rollback(self):
@@ -480,8 +493,10 @@ class Coordinator:
         self._record({"kind": "eval", "step": self.step, "eval_loss": loss, "time": time.time()})
 
     def _checkpoint(self) -> None:
-        members = self.workers if self._sharded() else self.workers[:1]  # ZeRO-1: every shard is gathered to rank 0
-        self._save(self._gather([w.state.remote() for w in members], "checkpoint")[0])
+        if not self._sharded():
+            self._save(self._gather([self.workers[0].state.remote()], "checkpoint")[0])
+        elif (whole := self._consolidate()) is not None:  # ZeRO-1: every shard is gathered to rank 0
+            self._save(ray.get(whole))
 
     def _save(self, state: bytes) -> None:
         started = time.perf_counter()

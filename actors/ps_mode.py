@@ -56,6 +56,9 @@ class PSTraining:
     def run(self) -> None:
         """Hand out batches until train.steps × global_batch samples are applied; evaluate and checkpoint at quiet points."""
         coord = self.coord
+        if coord.cursor != coord.step * coord.cfg.train.global_batch:
+            raise JobError(f"checkpoint at step {coord.step} has cursor {coord.cursor}, not {coord.step} global batches "
+                           "(it was made with train.batch_scaling=linear); parameter-server mode cannot go on from it")
         while coord.step < coord.cfg.train.steps:
             self._train_until(self._next_quiet_step() * coord.cfg.train.global_batch)
             coord._gather([w.ps_pull.remote(computing=False) for w in coord.workers], "parameter pull")

@@ -129,6 +129,12 @@ class TrainWorker:
         self.scheduler = make_scheduler(optimizer, self.cfg.optim, self.cfg.train.steps)
         self.scheduler.load_state_dict(schedule)
 
+    def _schedule_at(self, step: int) -> None:
+        """The lr schedule at `step` of this run's train.steps (a resume may change them), including the
+        last lr the next step reads: a loaded scheduler state holds the one of the run that saved it."""
+        self.scheduler.last_epoch = step - 1
+        self.scheduler.step()
+
     def optimizer_bytes(self) -> int:
         """Optimizer state this worker holds (ZeRO-1 keeps 1/world of it)."""
         local = self.optimizer.optim if isinstance(self.optimizer, ZeroRedundancyOptimizer) else self.optimizer
@@ -268,7 +274,7 @@ class TrainWorker:
             for name, p in self.model.named_parameters():
                 p.copy_(params[name])
         self.optimizer.load_state_dict(full)
-        self.scheduler.last_epoch = step
+        self._schedule_at(step)
         return self.state()
 
     def _optimizer_order(self) -> list[str]:
@@ -297,21 +303,27 @@ class TrainWorker:
             self.optimizer.consolidate_state_dict(to=0)
             if self.rank != 0:
                 return None
-        return serialize({
+        data = serialize({
             "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
             "optimizer": _to_cpu(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
         })
+        if sharded:  # torch keeps the gathered shards on rank 0 until the next gathering: ZeRO's saving gone
+            self.optimizer._all_state_dicts = []
+        return data
 
     def load_state(self, data: bytes, step: int) -> None:
         """Take a checkpoint's or a live peer's state, which is at `step`. In a group with ZeRO-1,
         keep only this rank's shard of the optimizer state; outside one, all of it."""
         state = deserialize(data)
         self.applied = step
+        if self.sync:  # unsent gradient of a state that is being replaced
+            self.sync.residuals.clear()
         self.model.load_state_dict(state["model"])
         self.scheduler.load_state_dict(state["scheduler"])
         self._unshard_optimizer(state["optimizer"])
+        self._schedule_at(step)
         if self.cfg.comm.zero and self.world > 1:
             self._shard_optimizer()
         if state.get("scaler"):
@@ -327,6 +339,8 @@ class TrainWorker:
         if isinstance(self.optimizer, ZeroRedundancyOptimizer):
             self._set_optimizer(make_optimizer(self.model, self.cfg.optim))
             self.applied = -1
+        if self.sync:  # top-k's unsent gradient is in this group's units (world size, split): start afresh
+            self.sync.residuals.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.ddp, self.rank, self.world = None, -1, 0

@@ -230,6 +230,12 @@ class Config(Section):
             raise ValueError(f"cluster.max_workers={self.cluster.max_workers} exceeds train.global_batch={self.train.global_batch}: every worker needs a sample")
         if self.comm.mode == "ps" and (self.comm.zero or self.comm.compression != "none"):
             raise ValueError("comm.mode=ps sends whole gradients to the parameter servers: comm.zero and comm.compression apply to allreduce only")
+        if self.comm.mode == "ps" and (self.train.batch_scaling == "linear" or self.train.precision == "fp16"):
+            raise ValueError("comm.mode=ps needs train.batch_scaling=constant (a step is one global batch) and no fp16 "
+                             "(the shards have no loss scaler): use bf16")
+        if self.comm.zero and self.checkpoint.every == 0:
+            raise ValueError("comm.zero needs checkpoint.every > 0: a lost worker takes its optimizer shard along, "
+                             "and the job goes back to the last checkpoint")
         if self.comm.mode == "ps" and self.train.global_batch % self.cluster.num_workers:
             raise ValueError(f"comm.mode=ps gives each worker train.global_batch / cluster.num_workers samples per push: "
                              f"make train.global_batch={self.train.global_batch} a multiple of cluster.num_workers={self.cluster.num_workers}")

@@ -32,7 +32,7 @@ SLOW = "faults=[{rank: 1, step: 2, kind: slow, factor: 2}]"
 STRAGGLER = {"static": [SLOW, "balance.enabled=false"], "balanced": [SLOW], "ps": [SLOW, "comm.mode=ps"],
              "ps_short_window": [SLOW, "comm.mode=ps", "comm.ps_window_s=0.02"]}
 SYNC = {"none": [], "fp16": ["comm.compression=fp16"], "bf16": ["comm.compression=bf16"],
-        "powersgd": ["comm.compression=powersgd"], "topk": ["comm.compression=topk"], "zero": ["comm.zero=true"]}
+        "powersgd": ["comm.compression=powersgd"], "topk": ["comm.compression=topk"], "zero": ["comm.zero=true", "checkpoint.every=100"]}
 WARMUP = 10  # steps left out of throughput: start-up, first buckets, the balancer's first measurements
 
 

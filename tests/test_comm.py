@@ -14,6 +14,7 @@ from actors.worker import spawn
 from app.checkpoint import deserialize, load_latest
 from app.job import train
 from app.model import GPT
+from app.optim import lr_factor
 from pipelines.embedded import ensure_corpus
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -73,7 +74,7 @@ def test_zero1_shards_the_optimizer_state_and_gathers_it_whole(make_cfg, tmp_pat
 
 
 def test_zero1_is_resharded_across_resizes_and_learns_the_same(make_cfg, reference):
-    run_dir = run_scaled(make_cfg, "zero-elastic", (3, 2), f"train.steps={STEPS}", "comm.zero=true")
+    run_dir = run_scaled(make_cfg, "zero-elastic", (3, 2), f"train.steps={STEPS}", "comm.zero=true", "checkpoint.every=40")
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert {c["reason"] for c in records(run_dir, "membership")} == {"scale-out", "scale-in"}
@@ -114,3 +115,4 @@ def test_parameter_server_mode_bounds_staleness_and_resumes(make_cfg):
     assert [r["step"] for r in steps] == list(range(1, 29))
     assert [r["step"] for r in records(run_dir, "resume")] == [20, 24]
     assert steps[-1]["samples"] == 28 * 16 and steps[-1]["loss"] < steps[20]["loss"]
+    assert steps[24]["lr"] == pytest.approx(cfg.optim.lr * lr_factor(24, cfg.optim, 28))  # the schedule went on

@@ -28,13 +28,20 @@ def test_override_sets_typed_value():
         ("model.d_model=130", "must be a multiple of model.n_head"),
         ("timeouts.step_s=30", "timeouts must nest: collective_s < step_s < join_s"),
         ("train.precision=fp16", "fp16 needs a GPU"),
+        ("comm.compression=gzip", "config key 'comm.compression'"),
+        ("comm.zero=true checkpoint.every=0", "comm.zero needs checkpoint.every > 0"),
+        ("comm.mode=ps train.batch_scaling=linear", "comm.mode=ps needs train.batch_scaling=constant"),
+        ("comm.mode=ps comm.zero=true", "comm.zero and comm.compression apply to allreduce only"),
+        ("comm.mode=ps train.global_batch=15", "make train.global_batch=15 a multiple of cluster.num_workers=2"),
+        ("balance.slow_below=1.5", "config key 'balance.slow_below'"),
+        ("faults=[{rank: 0, step: 1, kind: slow, factor: 0.5}]", "config key 'faults.0.factor'"),
         ("train", "must look like section.key=value"),
         ("train=3", "is a section"),
     ],
 )
 def test_bad_override_names_key_and_problem(override, expected):
     with pytest.raises(ConfigError) as err:
-        load_config("tiny", [override])
+        load_config("tiny", override.split(" ") if "faults" not in override else [override])
     assert expected in str(err.value)
 
 
