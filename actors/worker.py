@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -133,7 +134,9 @@ class TrainWorker:
         """The lr schedule at `step` of this run's train.steps (a resume may change them), including the
         last lr the next step reads: a loaded scheduler state holds the one of the run that saved it."""
         self.scheduler.last_epoch = step - 1
-        self.scheduler.step()
+        with warnings.catch_warnings():  # "step() before optimizer.step()": intended, nothing is skipped
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
 
     def optimizer_bytes(self) -> int:
         """Optimizer state this worker holds (ZeRO-1 keeps 1/world of it)."""
