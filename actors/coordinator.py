@@ -308,7 +308,7 @@ class Coordinator:
                 lost.append(worker)
         return lost
 
-    def _faults_for(self, step: int) -> dict[int, str]:
+    def _faults_for(self, step: int) -> dict[int, dict]:
         due = {i: f for i, f in enumerate(self.cfg.faults) if f.step == step and i not in self.fired}
         self.fired |= set(due)
         return {f.rank: f.model_dump() for f in due.values()}
