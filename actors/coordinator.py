@@ -77,6 +77,8 @@ class Coordinator:
         self._next_watch = 0.0
         self.lost: list = []
         self.balancer = Balancer(self.cfg.balance)
+        self.lr_scale = 1.0  # halved by each rollback after a non-finite gradient
+        self.nan_rollbacks = 0
         self.recoveries = 0
         self.fired: set[int] = set()  # indexes into cfg.faults
         self.phase = State.STARTING
@@ -231,15 +233,31 @@ class Coordinator:
         weights = self.balancer.weights(self.workers)
         shares = order.plan_step(self.layout, self.cursor, batch, weights)
         faults = self._faults_for(self.step + 1)
-        refs = [w.train_step.remote(self.step, s, batch, self.cursor, faults.get(rank))
+        refs = [w.train_step.remote(self.step, s, batch, self.cursor, faults.get(rank), self.lr_scale)
                 for rank, (w, s) in enumerate(zip(self.workers, shares))]
         results = self._collect(refs, started)
+        if not all(r["finite"] for r in results):
+            self._diverged()
+            return
         for worker, result in zip(self.workers, results):
             self.balancer.observe(worker, result["samples"], result["compute_s"])
         if self.balancer.balanced != was_balanced:
             self._record({"kind": "balance", "step": self.step + 1, "balanced": self.balancer.balanced,
                           "shares": [len(s) for s in shares], "time": time.time()})
         self._commit(results, time.perf_counter() - started)
+
+    def _diverged(self) -> None:
+        """A non-finite gradient (nobody stepped): back to the last checkpoint with the lr halved, a bounded number of times."""
+        failed = self.step + 1
+        self.nan_rollbacks += 1
+        if self.nan_rollbacks > self.cfg.train.max_nan_rollbacks:
+            raise JobError(f"the gradient at step {failed} is not finite after {self.cfg.train.max_nan_rollbacks} rollbacks "
+                           f"(train.max_nan_rollbacks), each halving the lr; lower optim.lr or check the data, "
+                           f"then resume with `etrain train --resume {self.run_dir}`")
+        self.lr_scale /= 2
+        whole = self._rollback("a non-finite gradient")
+        self._gather([w.load_state.remote(whole, self.step) for w in self.workers], "state load", self.cfg.timeouts.join_s)
+        self._record({"kind": "nan_rollback", "step": failed, "to_step": self.step, "lr_scale": self.lr_scale, "time": time.time()})
 
     def _commit(self, results: list[dict] | None, elapsed: float | None) -> None:
         batch = self.cfg.batch_at(len(self.workers))  # the membership that ran the step: changes come after
@@ -321,7 +339,7 @@ class Coordinator:
         started = self._failed_since  # "detect" spans the failed step, from its dispatch to the lost list
         survivors = [w for w in self.workers if w not in self.lost]
         self.recoveries += 1
-        whole = self._rollback() if self._sharded() else None
+        whole = self._rollback("a worker lost with its ZeRO-1 optimizer shard") if self._sharded() else None
         self._change(survivors, self.wanted - len(survivors), reason="recover", lost=len(self.lost), started=started, whole=whole)
         self.lost = []
 
@@ -375,12 +393,12 @@ class Coordinator:
             return None
         return refs[0]
 
-    def _rollback(self):
+    def _rollback(self, why: str):
         """Back to the last committed checkpoint: its state as a ref; the cursor and records follow."""
         ckpt = self._latest_checkpoint()
         if ckpt is None:
-            raise JobError(f"a worker was lost with its ZeRO-1 optimizer shard and there is no checkpoint under {self.ckpt_uri} "
-                           "to go back to; set checkpoint.every, or train without comm.zero")
+            raise JobError(f"{why} needs a checkpoint to go back to, and there is none under {self.ckpt_uri} yet; "
+                           f"set checkpoint.every lower, then resume with `etrain train --resume {self.run_dir}`")
         self._rewind(ckpt, "rollback")
         return ray.put(ckpt.state)
 
@@ -447,6 +465,8 @@ class Coordinator:
         """The cursor and step to the checkpoint's; records of the steps after it are moved aside."""
         self.step, self.cursor = ckpt.meta["step"], ckpt.meta["cursor"]
         self.saved_step = self.step
+        if kind == "resume":  # a rollback keeps the lr it has halved since
+            self.lr_scale = ckpt.meta.get("lr_scale", 1.0)
         moved = truncate_after(self.run_dir / "metrics.jsonl", self.step)
         self._record({"kind": kind, "step": self.step, "path": ckpt.path, "records_redone": moved, "time": time.time()})
 
@@ -500,7 +520,8 @@ class Coordinator:
 
     def _save(self, state: bytes) -> None:
         started = time.perf_counter()
-        meta = {"cursor": self.cursor, "config_hash": self.cfg.hash(), "config": self.cfg.model_dump(), "world_size": len(self.workers)}
+        meta = {"cursor": self.cursor, "config_hash": self.cfg.hash(), "config": self.cfg.model_dump(), "world_size": len(self.workers),
+                "lr_scale": self.lr_scale}
         path = checkpoint.save(self.ckpt_uri, self.step, state, meta, self.cfg.checkpoint.keep)
         self.saved_step = self.step
         self._record({"kind": "checkpoint", "step": self.step, "path": path, "save_s": time.perf_counter() - started, "time": time.time()})

@@ -7,6 +7,7 @@ such workers warm in a pool (actors/pool.py) and re-forms groups of live ones.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -51,6 +52,7 @@ class TrainWorker:
         self.ddp: DDP | GPT | None = None
         self.sync: GradSync | None = None  # the DDP communication hook; keeps top-k residuals across groups
         self.slowdown = 1.0  # > 1: an injected straggler (fault kind "slow")
+        self.poisoned = False  # this step's loss is made NaN (fault kind "nan")
         self._store: dist.TCPStore | None = None
         self.rank, self.world = -1, 0
         self.applied = 0  # optimizer steps in this worker's state: which step it can resume from
@@ -143,7 +145,8 @@ class TrainWorker:
         local = self.optimizer.optim if isinstance(self.optimizer, ZeroRedundancyOptimizer) else self.optimizer
         return sum(t.numel() * t.element_size() for st in local.state.values() for t in st.values() if torch.is_tensor(t))
 
-    def train_step(self, step: int, ids: np.ndarray, global_batch: int, cursor: int, fault: dict | None = None) -> dict:
+    def train_step(self, step: int, ids: np.ndarray, global_batch: int, cursor: int, fault: dict | None = None,
+                   lr_scale: float = 1.0) -> dict:
         """This worker's share of one optimizer step: forward/backward with the gradient sync
         overlapping it, then clip and update.
 
@@ -163,9 +166,11 @@ class TrainWorker:
         loss_sum = self._forward_backward(self._tensor(rows), global_batch / self.world)
         sync = self.sync.take_stats() if self.sync else {}
         compute_s = (sync.get("last_ready") or time.perf_counter()) - computing  # up to the last bucket: no waiting on peers
-        grad_norm, lr = self._update(global_batch)
-        self.applied = step + 1
-        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": compute_s,
+        grad_norm, lr = self._update(global_batch, lr_scale)
+        finite = math.isfinite(grad_norm) or self.scaler.is_enabled()  # fp16: the scaler skips overflowing steps itself
+        if finite:
+            self.applied = step + 1
+        return {"finite": finite, "loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": compute_s,
                 "worker_s": time.perf_counter() - started, "comm_bytes": sync.get("comm_bytes", 0),
                 "dense_bytes": sync.get("dense_bytes", 0), "optimizer_bytes": self.optimizer_bytes(), "data": data}
 
@@ -181,17 +186,25 @@ class TrainWorker:
                     _, loss = self.ddp(chunk[:, :-1], chunk[:, 1:])
                 if self.slowdown > 1:  # an injected straggler: backward costs about twice the forward
                     time.sleep((self.slowdown - 1) * 3 * (time.perf_counter() - forward_started))
+                if self.poisoned:  # an injected NaN (fault kind "nan")
+                    loss = loss * float("nan")
                 weighted = loss * len(chunk) / divisor
                 self.scaler.scale(weighted).backward()
             loss_sum += weighted.item() / self.world
+        self.poisoned = False
         return loss_sum
 
-    def _update(self, global_batch: int) -> tuple[float, float]:
+    def _update(self, global_batch: int, lr_scale: float) -> tuple[float, float]:
+        """Clip and step; no step on a non-finite gradient (every rank holds the same synchronised
+        gradient, so every rank skips alike, and the coordinator rolls the run back)."""
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.optim.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()
+        if not math.isfinite(grad_norm) and not self.scaler.is_enabled():
+            return grad_norm, float("nan")
         # The linear scaling rule (train.batch_scaling=linear): lr grows with the batch. 1 at constant batch.
-        scale = global_batch / self.cfg.train.global_batch
+        # lr_scale: halved by each rollback after a non-finite gradient.
+        scale = global_batch / self.cfg.train.global_batch * lr_scale
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr * scale
         self.scaler.step(self.optimizer)
@@ -210,6 +223,8 @@ class TrainWorker:
             os._exit(1)
         elif fault["kind"] == "hang":
             time.sleep(10**6)
+        elif fault["kind"] == "nan":
+            self.poisoned = True
 
     # -- parameter-server mode (actors/ps_mode.py) -------------------------------------
 

@@ -107,6 +107,8 @@ class TrainConfig(Section):
     eval_every: int = Field(50, ge=0, description="steps between evaluations; 0 = only at the end")
     eval_samples: int = Field(64, ge=1, description="held-out sequences per evaluation")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="bf16 autocast (CPU or GPU); fp16 + GradScaler (GPU)")
+    max_nan_rollbacks: int = Field(3, ge=0, description="a non-finite gradient rolls the run back to the last checkpoint with "
+                                   "the lr halved, at most this many times; then the job fails")
 
 
 class OptimConfig(Section):
@@ -188,11 +190,12 @@ class TimeoutConfig(Section):
 
 
 class Fault(Section):
-    """Failure injection for tests and drills: at `step` (1-based), worker `rank` dies, hangs or slows down."""
+    """Failure injection for tests and drills: at `step` (1-based), worker `rank` dies, hangs, slows down,
+    or computes a NaN loss."""
 
     rank: int = Field(ge=0)
     step: int = Field(ge=1)
-    kind: Literal["kill", "hang", "slow"] = "kill"
+    kind: Literal["kill", "hang", "slow", "nan"] = "kill"
     factor: float = Field(2.0, ge=1, description="slow: compute takes this many times as long from `step` on (a straggler)")
 
 

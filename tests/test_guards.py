@@ -1,0 +1,38 @@
+"""Training-stability guards on a real local Ray: a non-finite gradient rolls the run back with the lr halved."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from runs import FAST, records, run
+
+from actors.control import JobError
+from app.job import train
+from app.optim import lr_factor
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def test_a_nan_rolls_back_to_the_checkpoint_with_the_lr_halved(make_cfg):
+    run_dir = run(make_cfg, "nan", "train.steps=24", "checkpoint.every=10", "faults=[{rank: 1, step: 15, kind: nan}]")
+    steps = records(run_dir, "train")
+    assert [r["step"] for r in steps] == list(range(1, 25))  # steps 11-14 redone; their first records moved aside
+    assert all(math.isfinite(r["loss"]) for r in steps)
+    [event] = records(run_dir, "nan_rollback")
+    assert (event["step"], event["to_step"], event["lr_scale"]) == (15, 10, 0.5)
+    optim = make_cfg().optim
+    for r in steps:
+        scale = 1.0 if r["step"] <= 10 else 0.5
+        assert r["lr"] == pytest.approx(optim.lr * lr_factor(r["step"] - 1, optim, 24) * scale)
+    # The halved lr travels with the checkpoints: a resumed run keeps it.
+    train(make_cfg(*FAST, "run.name=nan", "train.steps=28"), run_dir, resume=True, progress=False)
+    resumed = records(run_dir, "train")[24:]
+    assert [r["step"] for r in resumed] == [25, 26, 27, 28]
+    assert all(r["lr"] == pytest.approx(optim.lr * lr_factor(r["step"] - 1, optim, 28) * 0.5) for r in resumed)
+
+
+def test_nan_after_nan_fails_the_job_once_rollbacks_run_out(make_cfg):
+    nans = "faults=[{rank: 0, step: 5, kind: nan}, {rank: 0, step: 6, kind: nan}]"
+    with pytest.raises(JobError, match="max_nan_rollbacks"):
+        run(make_cfg, "nan-twice", "train.steps=12", "checkpoint.every=4", "train.max_nan_rollbacks=1", nans)
