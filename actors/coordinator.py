@@ -21,11 +21,13 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.balance import Balancer
 from actors.control import JobError, Observation, State, autoscale, next_state
+from actors.guards import NormWatch
 from actors.pool import WarmPool
 from actors.ps_mode import PSTraining
 from app import checkpoint
@@ -58,6 +60,7 @@ class Coordinator:
         self.ckpt_uri = self.cfg.checkpoint.uri or str(self.run_dir / "checkpoints")
         splits = read_manifest(manifest)["splits"]
         sizes = tuple(s["samples"] for s in splits["train"]["shards"])
+        self.shard_paths = [s["path"] for s in splits["train"]["shards"]]  # to name a quarantined sample's source
         self.layout = order.Layout(self.cfg.train.seed, sizes, self.cfg.data.shuffle_shards)
         # A fixed held-out subset (seed 0, not the training seed) so runs and trials compare.
         num_eval = splits["eval"]["samples"]
@@ -78,6 +81,7 @@ class Coordinator:
         self.lost: list = []
         self.balancer = Balancer(self.cfg.balance)
         self.lr_scale = 1.0  # halved by each rollback after a non-finite gradient
+        self.norms = NormWatch()  # accepted gradient norms: the outlier guard's limit
         self.nan_rollbacks = 0
         self.recoveries = 0
         self.fired: set[int] = set()  # indexes into cfg.faults
@@ -233,12 +237,17 @@ class Coordinator:
         weights = self.balancer.weights(self.workers)
         shares = order.plan_step(self.layout, self.cursor, batch, weights)
         faults = self._faults_for(self.step + 1)
-        refs = [w.train_step.remote(self.step, s, batch, self.cursor, faults.get(rank), self.lr_scale)
+        limit = self.norms.limit(self.cfg.train.outlier_sigmas, self.cfg.train.outlier_warmup)
+        refs = [w.train_step.remote(self.step, s, batch, self.cursor, faults.get(rank), self.lr_scale, limit)
                 for rank, (w, s) in enumerate(zip(self.workers, shares))]
         results = self._collect(refs, started)
         if not all(r["finite"] for r in results):
             self._diverged()
             return
+        if results[0]["skipped"]:
+            self._quarantine(np.concatenate(shares), results[0]["grad_norm"], limit)
+        else:
+            self.norms.add(results[0]["grad_norm"])
         for worker, result in zip(self.workers, results):
             self.balancer.observe(worker, result["samples"], result["compute_s"])
         if self.balancer.balanced != was_balanced:
@@ -259,6 +268,13 @@ class Coordinator:
         self._gather([w.load_state.remote(whole, self.step) for w in self.workers], "state load", self.cfg.timeouts.join_s)
         self._record({"kind": "nan_rollback", "step": failed, "to_step": self.step, "lr_scale": self.lr_scale, "time": time.time()})
 
+    def _quarantine(self, ids, grad_norm: float, limit: float) -> None:
+        """An outlier step's samples, with the shard and row each came from, to the run's quarantine log."""
+        shards = self.layout.shard_of(ids)
+        sources = [{"sample": int(i), "shard": self.shard_paths[s], "row": int(i - self.layout.starts[s])} for i, s in zip(ids, shards)]
+        append_jsonl(self.run_dir / "quarantine.jsonl", {"step": self.step + 1, "grad_norm": grad_norm, "limit": limit, "samples": sources})
+        self._record({"kind": "outlier", "step": self.step + 1, "grad_norm": grad_norm, "limit": limit, "samples": len(ids), "time": time.time()})
+
     def _commit(self, results: list[dict] | None, elapsed: float | None) -> None:
         batch = self.cfg.batch_at(len(self.workers))  # the membership that ran the step: changes come after
         self.step += 1
@@ -269,6 +285,7 @@ class Coordinator:
             tokens = batch * self.cfg.model.seq_len
             record |= {
                 "loss": sum(r["loss"] for r in results), "lr": results[0]["lr"], "grad_norm": results[0]["grad_norm"],
+                "skipped": results[0]["skipped"],
                 "tokens_per_s": tokens / elapsed, "step_time_s": elapsed, "worker_s": max(r["worker_s"] for r in results),
                 "shares": [r["samples"] for r in results], "speeds": [round(r["samples"] / max(r["compute_s"], 1e-9), 2) for r in results],
                 "comm_bytes": sum(r["comm_bytes"] for r in results), "dense_bytes": sum(r["dense_bytes"] for r in results),
@@ -467,6 +484,7 @@ class Coordinator:
         self.saved_step = self.step
         if kind == "resume":  # a rollback keeps the lr it has halved since
             self.lr_scale = ckpt.meta.get("lr_scale", 1.0)
+        self.norms = NormWatch(**ckpt.meta.get("norms", {}))
         moved = truncate_after(self.run_dir / "metrics.jsonl", self.step)
         self._record({"kind": kind, "step": self.step, "path": ckpt.path, "records_redone": moved, "time": time.time()})
 
@@ -521,7 +539,7 @@ class Coordinator:
     def _save(self, state: bytes) -> None:
         started = time.perf_counter()
         meta = {"cursor": self.cursor, "config_hash": self.cfg.hash(), "config": self.cfg.model_dump(), "world_size": len(self.workers),
-                "lr_scale": self.lr_scale}
+                "lr_scale": self.lr_scale, "norms": self.norms.state()}
         path = checkpoint.save(self.ckpt_uri, self.step, state, meta, self.cfg.checkpoint.keep)
         self.saved_step = self.step
         self._record({"kind": "checkpoint", "step": self.step, "path": path, "save_s": time.perf_counter() - started, "time": time.time()})

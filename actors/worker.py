@@ -52,7 +52,7 @@ class TrainWorker:
         self.ddp: DDP | GPT | None = None
         self.sync: GradSync | None = None  # the DDP communication hook; keeps top-k residuals across groups
         self.slowdown = 1.0  # > 1: an injected straggler (fault kind "slow")
-        self.poisoned = False  # this step's loss is made NaN (fault kind "nan")
+        self.poisoned = 0.0  # this step's loss is multiplied by it (fault kinds "nan", "spike")
         self._store: dist.TCPStore | None = None
         self.rank, self.world = -1, 0
         self.applied = 0  # optimizer steps in this worker's state: which step it can resume from
@@ -146,7 +146,7 @@ class TrainWorker:
         return sum(t.numel() * t.element_size() for st in local.state.values() for t in st.values() if torch.is_tensor(t))
 
     def train_step(self, step: int, ids: np.ndarray, global_batch: int, cursor: int, fault: dict | None = None,
-                   lr_scale: float = 1.0) -> dict:
+                   lr_scale: float = 1.0, max_norm: float = math.inf) -> dict:
         """This worker's share of one optimizer step: forward/backward with the gradient sync
         overlapping it, then clip and update.
 
@@ -166,11 +166,11 @@ class TrainWorker:
         loss_sum = self._forward_backward(self._tensor(rows), global_batch / self.world)
         sync = self.sync.take_stats() if self.sync else {}
         compute_s = (sync.get("last_ready") or time.perf_counter()) - computing  # up to the last bucket: no waiting on peers
-        grad_norm, lr = self._update(global_batch, lr_scale)
+        grad_norm, lr = self._update(global_batch, lr_scale, max_norm)
         finite = math.isfinite(grad_norm) or self.scaler.is_enabled()  # fp16: the scaler skips overflowing steps itself
         if finite:
             self.applied = step + 1
-        return {"finite": finite, "loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": compute_s,
+        return {"finite": finite, "skipped": finite and grad_norm > max_norm, "loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": compute_s,
                 "worker_s": time.perf_counter() - started, "comm_bytes": sync.get("comm_bytes", 0),
                 "dense_bytes": sync.get("dense_bytes", 0), "optimizer_bytes": self.optimizer_bytes(), "data": data}
 
@@ -186,22 +186,29 @@ class TrainWorker:
                     _, loss = self.ddp(chunk[:, :-1], chunk[:, 1:])
                 if self.slowdown > 1:  # an injected straggler: backward costs about twice the forward
                     time.sleep((self.slowdown - 1) * 3 * (time.perf_counter() - forward_started))
-                if self.poisoned:  # an injected NaN (fault kind "nan")
-                    loss = loss * float("nan")
+                if self.poisoned:  # an injected NaN or spike (fault kinds "nan", "spike")
+                    loss = loss * self.poisoned
                 weighted = loss * len(chunk) / divisor
                 self.scaler.scale(weighted).backward()
             loss_sum += weighted.item() / self.world
-        self.poisoned = False
+        self.poisoned = 0.0
         return loss_sum
 
-    def _update(self, global_batch: int, lr_scale: float) -> tuple[float, float]:
-        """Clip and step; no step on a non-finite gradient (every rank holds the same synchronised
-        gradient, so every rank skips alike, and the coordinator rolls the run back)."""
+    def _update(self, global_batch: int, lr_scale: float, max_norm: float) -> tuple[float, float]:
+        """Clip and step. Every rank holds the same synchronised gradient, so every rank decides alike:
+        no step on a non-finite gradient (the coordinator rolls the run back), and an outlier's step
+        (norm above `max_norm`, the guard's limit) is skipped while the schedule goes on."""
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.optim.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()
         if not math.isfinite(grad_norm) and not self.scaler.is_enabled():
             return grad_norm, float("nan")
+        if grad_norm > max_norm:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scaler.update()
+            lr = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
+            return grad_norm, lr
         # The linear scaling rule (train.batch_scaling=linear): lr grows with the batch. 1 at constant batch.
         # lr_scale: halved by each rollback after a non-finite gradient.
         scale = global_batch / self.cfg.train.global_batch * lr_scale
@@ -224,7 +231,9 @@ class TrainWorker:
         elif fault["kind"] == "hang":
             time.sleep(10**6)
         elif fault["kind"] == "nan":
-            self.poisoned = True
+            self.poisoned = float("nan")
+        elif fault["kind"] == "spike":
+            self.poisoned = fault["factor"]
 
     # -- parameter-server mode (actors/ps_mode.py) -------------------------------------
 

@@ -107,6 +107,9 @@ class TrainConfig(Section):
     eval_every: int = Field(50, ge=0, description="steps between evaluations; 0 = only at the end")
     eval_samples: int = Field(64, ge=1, description="held-out sequences per evaluation")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="bf16 autocast (CPU or GPU); fp16 + GradScaler (GPU)")
+    outlier_sigmas: float = Field(3.0, ge=0, description="skip the update of a step whose gradient norm is above the running "
+                                  "mean + this many standard deviations, and quarantine its samples; 0 disables")
+    outlier_warmup: int = Field(20, ge=2, description="accepted steps before the outlier guard starts judging")
     max_nan_rollbacks: int = Field(3, ge=0, description="a non-finite gradient rolls the run back to the last checkpoint with "
                                    "the lr halved, at most this many times; then the job fails")
 
@@ -191,11 +194,11 @@ class TimeoutConfig(Section):
 
 class Fault(Section):
     """Failure injection for tests and drills: at `step` (1-based), worker `rank` dies, hangs, slows down,
-    or computes a NaN loss."""
+    computes a NaN loss, or a loss `factor` times too large (a gradient spike)."""
 
     rank: int = Field(ge=0)
     step: int = Field(ge=1)
-    kind: Literal["kill", "hang", "slow", "nan"] = "kill"
+    kind: Literal["kill", "hang", "slow", "nan", "spike"] = "kill"
     factor: float = Field(2.0, ge=1, description="slow: compute takes this many times as long from `step` on (a straggler)")
 
 

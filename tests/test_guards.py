@@ -1,17 +1,44 @@
-"""Training-stability guards on a real local Ray: a non-finite gradient rolls the run back with the lr halved."""
+"""Training-stability guards: a non-finite gradient rolls the run back with the lr halved; a gradient-norm
+outlier's update is skipped and its samples quarantined."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 from runs import FAST, records, run
 
 from actors.control import JobError
+from actors.guards import NormWatch
 from app.job import train
 from app.optim import lr_factor
 
 pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def test_the_outlier_limit_is_mean_plus_sigmas_after_warmup():
+    watch = NormWatch()
+    for norm in (1.0, 2.0, 3.0):
+        watch.add(norm)
+    assert watch.limit(3.0, warmup=4) == math.inf
+    watch.add(2.0)
+    assert watch.limit(3.0, warmup=4) == pytest.approx(2.0 + 3 * math.sqrt(2 / 3))  # sample std of 1, 2, 3, 2
+    assert watch.limit(0.0, warmup=4) == math.inf  # disabled
+    assert NormWatch(**watch.state()) == watch  # travels in checkpoints
+
+
+def test_a_gradient_spike_is_skipped_and_its_samples_quarantined(make_cfg):
+    run_dir = run(make_cfg, "spike", "train.steps=30", "faults=[{rank: 0, step: 25, kind: spike, factor: 1000}]")
+    steps = records(run_dir, "train")
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    assert [r["step"] for r in steps if r["skipped"]] == [25]
+    [outlier] = records(run_dir, "outlier")
+    assert outlier["grad_norm"] > outlier["limit"] and outlier["samples"] == 16
+    [logged] = [json.loads(line) for line in (run_dir / "quarantine.jsonl").read_text().splitlines()]
+    assert logged["step"] == 25 and len(logged["samples"]) == 16
+    assert all(s["shard"].endswith(".parquet") and s["row"] >= 0 for s in logged["samples"])
+    assert abs(steps[25]["loss"] - steps[23]["loss"]) < 0.5  # the spike's update never happened
 
 
 def test_a_nan_rolls_back_to_the_checkpoint_with_the_lr_halved(make_cfg):
