@@ -17,6 +17,7 @@ Checkpoint state reaches the coordinator as bytes; it loads the worker class
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -246,7 +247,7 @@ class Coordinator:
             return
         if results[0]["skipped"]:
             self._quarantine(np.concatenate(shares), results[0]["grad_norm"], limit)
-        else:
+        elif math.isfinite(results[0]["grad_norm"]):  # fp16: an overflow the scaler skipped says nothing
             self.norms.add(results[0]["grad_norm"])
         for worker, result in zip(self.workers, results):
             self.balancer.observe(worker, result["samples"], result["compute_s"])

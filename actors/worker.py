@@ -170,8 +170,8 @@ class TrainWorker:
         finite = math.isfinite(grad_norm) or self.scaler.is_enabled()  # fp16: the scaler skips overflowing steps itself
         if finite:
             self.applied = step + 1
-        return {"finite": finite, "skipped": finite and grad_norm > max_norm, "loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": compute_s,
-                "worker_s": time.perf_counter() - started, "comm_bytes": sync.get("comm_bytes", 0),
+        return {"finite": finite, "skipped": math.isfinite(grad_norm) and grad_norm > max_norm, "loss": loss_sum,
+                "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": compute_s, "worker_s": time.perf_counter() - started, "comm_bytes": sync.get("comm_bytes", 0),
                 "dense_bytes": sync.get("dense_bytes", 0), "optimizer_bytes": self.optimizer_bytes(), "data": data}
 
     def _forward_backward(self, rows: torch.Tensor, divisor: float) -> float:
@@ -203,7 +203,7 @@ class TrainWorker:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()
         if not math.isfinite(grad_norm) and not self.scaler.is_enabled():
             return grad_norm, float("nan")
-        if grad_norm > max_norm:
+        if math.isfinite(grad_norm) and grad_norm > max_norm:  # fp16 overflow (inf) is the scaler's to skip
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.update()
             lr = self.scheduler.get_last_lr()[0]
