@@ -274,7 +274,9 @@ class Coordinator:
         shards = self.layout.shard_of(ids)
         sources = [{"sample": int(i), "shard": self.shard_paths[s], "row": int(i - self.layout.starts[s])} for i, s in zip(ids, shards)]
         append_jsonl(self.run_dir / "quarantine.jsonl", {"step": self.step + 1, "grad_norm": grad_norm, "limit": limit, "samples": sources})
-        self._record({"kind": "outlier", "step": self.step + 1, "grad_norm": grad_norm, "limit": limit, "samples": len(ids), "time": time.time()})
+        restarted = self.norms.reject(self.cfg.train.outlier_patience)
+        self._record({"kind": "outlier", "step": self.step + 1, "grad_norm": grad_norm, "limit": limit, "samples": len(ids),
+                      "guard_restarted": restarted, "time": time.time()})
 
     def _commit(self, results: list[dict] | None, elapsed: float | None) -> None:
         batch = self.cfg.batch_at(len(self.workers))  # the membership that ran the step: changes come after

@@ -20,12 +20,24 @@ class NormWatch:
     n: int = 0
     mean: float = 0.0
     m2: float = 0.0
+    streak: int = 0  # outliers in a row
 
     def add(self, norm: float) -> None:
+        self.streak = 0
         self.n += 1
         delta = norm - self.mean
         self.mean += delta / self.n
         self.m2 += delta * (norm - self.mean)
+
+    def reject(self, patience: int) -> bool:
+        """Count a skipped outlier. `patience` in a row are a new regime, not bad batches (the norms moved:
+        compression started, the lr changed), and skipping on would only compound it: start over, judging
+        again after the warm-up. True when it started over."""
+        self.streak += 1
+        if self.streak < patience:
+            return False
+        self.n, self.mean, self.m2, self.streak = 0, 0.0, 0.0, 0
+        return True
 
     def limit(self, sigmas: float, warmup: int) -> float:
         """The largest norm accepted now: infinite until `warmup` norms are in, or with sigmas = 0."""

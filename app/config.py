@@ -110,6 +110,7 @@ class TrainConfig(Section):
     outlier_sigmas: float = Field(3.0, ge=0, description="skip the update of a step whose gradient norm is above the running "
                                   "mean + this many standard deviations, and quarantine its samples; 0 disables")
     outlier_warmup: int = Field(20, ge=2, description="accepted steps before the outlier guard starts judging")
+    outlier_patience: int = Field(3, ge=1, description="outliers in a row that make the guard start over (a new regime)")
     max_nan_rollbacks: int = Field(3, ge=0, description="a non-finite gradient rolls the run back to the last checkpoint with "
                                    "the lr halved, at most this many times; then the job fails")
 

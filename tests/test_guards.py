@@ -26,6 +26,8 @@ def test_the_outlier_limit_is_mean_plus_sigmas_after_warmup():
     assert watch.limit(3.0, warmup=4) == pytest.approx(2.0 + 3 * math.sqrt(2 / 3))  # sample std of 1, 2, 3, 2
     assert watch.limit(0.0, warmup=4) == math.inf  # disabled
     assert NormWatch(**watch.state()) == watch  # travels in checkpoints
+    assert [watch.reject(patience=3) for _ in range(3)] == [False, False, True]  # a new regime: start over
+    assert watch.limit(3.0, warmup=4) == math.inf and watch.n == 0
 
 
 def test_a_gradient_spike_is_skipped_and_its_samples_quarantined(make_cfg):
@@ -42,21 +44,21 @@ def test_a_gradient_spike_is_skipped_and_its_samples_quarantined(make_cfg):
 
 
 def test_a_nan_rolls_back_to_the_checkpoint_with_the_lr_halved(make_cfg):
-    run_dir = run(make_cfg, "nan", "train.steps=24", "checkpoint.every=10", "faults=[{rank: 1, step: 15, kind: nan}]")
+    run_dir = run(make_cfg, "nan", "train.steps=16", "checkpoint.every=5", "faults=[{rank: 1, step: 8, kind: nan}]")
     steps = records(run_dir, "train")
-    assert [r["step"] for r in steps] == list(range(1, 25))  # steps 11-14 redone; their first records moved aside
+    assert [r["step"] for r in steps] == list(range(1, 17))  # steps 6-7 redone; their first records moved aside
     assert all(math.isfinite(r["loss"]) for r in steps)
     [event] = records(run_dir, "nan_rollback")
-    assert (event["step"], event["to_step"], event["lr_scale"]) == (15, 10, 0.5)
+    assert (event["step"], event["to_step"], event["lr_scale"]) == (8, 5, 0.5)
     optim = make_cfg().optim
     for r in steps:
-        scale = 1.0 if r["step"] <= 10 else 0.5
-        assert r["lr"] == pytest.approx(optim.lr * lr_factor(r["step"] - 1, optim, 24) * scale)
+        scale = 1.0 if r["step"] <= 5 else 0.5
+        assert r["lr"] == pytest.approx(optim.lr * lr_factor(r["step"] - 1, optim, 16) * scale)
     # The halved lr travels with the checkpoints: a resumed run keeps it.
-    train(make_cfg(*FAST, "run.name=nan", "train.steps=28"), run_dir, resume=True, progress=False)
-    resumed = records(run_dir, "train")[24:]
-    assert [r["step"] for r in resumed] == [25, 26, 27, 28]
-    assert all(r["lr"] == pytest.approx(optim.lr * lr_factor(r["step"] - 1, optim, 28) * 0.5) for r in resumed)
+    train(make_cfg(*FAST, "run.name=nan", "train.steps=20"), run_dir, resume=True, progress=False)
+    resumed = records(run_dir, "train")[16:]
+    assert [r["step"] for r in resumed] == [17, 18, 19, 20]
+    assert all(r["lr"] == pytest.approx(optim.lr * lr_factor(r["step"] - 1, optim, 20) * 0.5) for r in resumed)
 
 
 def test_nan_after_nan_fails_the_job_once_rollbacks_run_out(make_cfg):
