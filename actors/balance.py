@@ -49,6 +49,17 @@ class Balancer:
             self.balanced, self.streak = straggling, 0
         return [s / mean for s in speeds] if self.balanced else [1.0] * len(workers)
 
+    def state(self, workers: list[Hashable]) -> dict:
+        """For a checkpoint: the mode, its streak, and the speeds by rank (actor handles do not outlive a run)."""
+        return {"balanced": self.balanced, "streak": self.streak, "speeds": [self.speeds.get(w) for w in workers]}
+
+    def load(self, state: dict | None, workers: list[Hashable]) -> None:
+        """A resumed run splits its first steps as the checkpointed one would have; rank i's speed goes to worker i."""
+        if not state:
+            return
+        self.balanced, self.streak = state["balanced"], state["streak"]
+        self.speeds = {w: s for w, s in zip(workers, state["speeds"]) if s is not None}
+
     def _known(self, workers: list[Hashable]) -> list[float]:
         measured = [self.speeds[w] for w in workers if w in self.speeds]
         default = sum(measured) / len(measured) if measured else 1.0

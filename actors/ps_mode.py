@@ -35,7 +35,7 @@ class PSTraining:
         self.pushes: list[dict] = []  # push results since the last train record
         self.faults: dict[int, dict] = {}  # rank -> injected fault due, given with that rank's next batch
 
-    def start(self, restored: bytes | None) -> None:
+    def start(self, restored: dict | None) -> None:
         """Shards spread over the nodes, filled from worker 0's parameters and optimizer moments."""
         coord, comm = self.coord, self.coord.cfg.comm
         lead = coord.workers[0]
@@ -65,7 +65,8 @@ class PSTraining:
             coord._maybe_evaluate()
             if coord._due(coord.cfg.checkpoint.every):
                 params, moments = self.state()
-                coord._save(coord._gather([coord.workers[0].ps_state.remote(params, moments, coord.step)], "checkpoint")[0])
+                coord._gather([coord.workers[0].ps_state.remote(params, moments, coord.step)], "checkpoint")
+                coord._checkpoint()
         stats = coord._gather([s.stats.remote() for s in self.shards], "shard stats")
         coord._record({"kind": "ps", "step": coord.step, "shards": stats, "time": time.time()})
 

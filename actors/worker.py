@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -21,8 +23,9 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from actors import zero_state
 from actors.compress import GradSync
-from app.checkpoint import deserialize, serialize
+from app.checkpoint import LIGHT, deserialize, serialize, tensor_hash, write_part
 from app.config import Config
 from app.model import GPT
 from app.optim import make_optimizer, make_param_groups, make_scheduler
@@ -56,6 +59,8 @@ class TrainWorker:
         self._store: dist.TCPStore | None = None
         self.rank, self.world = -1, 0
         self.applied = 0  # optimizer steps in this worker's state: which step it can resume from
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")  # one save at a time, off the step's path
+        self._saving: Future | None = None
 
     def info(self) -> dict:
         node = ray.get_runtime_context().get_node_id()
@@ -172,7 +177,8 @@ class TrainWorker:
             self.applied = step + 1
         return {"finite": finite, "skipped": math.isfinite(grad_norm) and grad_norm > max_norm, "loss": loss_sum,
                 "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": compute_s, "worker_s": time.perf_counter() - started, "comm_bytes": sync.get("comm_bytes", 0),
-                "dense_bytes": sync.get("dense_bytes", 0), "optimizer_bytes": self.optimizer_bytes(), "data": data}
+                "dense_bytes": sync.get("dense_bytes", 0), "optimizer_bytes": self.optimizer_bytes(), "data": data,
+                "saving": self._saving is not None and not self._saving.done()}
 
     def _forward_backward(self, rows: torch.Tensor, divisor: float) -> float:
         """Micro-batches accumulate; only the last one's backward syncs, bucket by bucket as it goes."""
@@ -292,8 +298,8 @@ class TrainWorker:
         params = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
         return params, {names[i]: _to_cpu(st) for i, st in state.items()}
 
-    def ps_state(self, params: dict, moments: dict, step: int) -> bytes:
-        """A checkpoint from the shards' parameters and moments, in the format every mode loads."""
+    def ps_state(self, params: dict, moments: dict, step: int) -> None:
+        """Take the shards' parameters and moments, to write a checkpoint in the format every mode loads."""
         full = self.optimizer.state_dict()
         order = {n: i for i, n in enumerate(self._optimizer_order())}
         full["state"] = {order[n]: m for n, m in moments.items()}
@@ -302,7 +308,6 @@ class TrainWorker:
                 p.copy_(params[name])
         self.optimizer.load_state_dict(full)
         self._schedule_at(step)
-        return self.state()
 
     def _optimizer_order(self) -> list[str]:
         """Parameter names in the optimizer's index order (its param groups, one after the other)."""
@@ -340,10 +345,51 @@ class TrainWorker:
             self.optimizer._all_state_dicts = []
         return data
 
-    def load_state(self, data: bytes, step: int) -> None:
-        """Take a checkpoint's or a live peer's state, which is at `step`. In a group with ZeRO-1,
-        keep only this rank's shard of the optimizer state; outside one, all of it."""
-        state = deserialize(data)
+    # -- checkpoints -----------------------------------------------------------------
+
+    def checkpoint_begin(self, path: str, level: str, base_hashes: dict | None, background: bool = True) -> None:
+        """Copy this rank's part of the state to CPU, then write it under `path`: in the background,
+        so training goes on, unless told otherwise. Rank 0 writes the weights, scheduler and scaler;
+        the optimizer state is rank 0's, or under ZeRO-1 each rank writes its own shard."""
+        self.checkpoint_wait()  # the coordinator has one save in flight at most: this returns at once
+        lead = self.rank <= 0
+        parts: dict = {}
+        weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()} if lead else None
+        if level == "full":
+            if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+                parts[f"optim-{max(self.rank, 0):03d}.pt"] = zero_state.local_part(self.optimizer)
+                if lead:
+                    parts["optim-groups.pt"] = zero_state.param_groups(self.optimizer)
+            elif lead:
+                parts["optim.pt"] = _snapshot(self.optimizer.state_dict())
+            if lead:
+                parts["extra.pt"] = _snapshot({"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()})
+        self._saving = self._writer.submit(self._write, path, level, parts, weights, base_hashes)
+        if not background:
+            self.checkpoint_wait()
+
+    def checkpoint_wait(self) -> dict | None:
+        """The files written by the last save (name -> bytes, sha256) and the weights' hashes; raises its error."""
+        if self._saving is None:
+            return None
+        try:
+            return self._saving.result()
+        finally:
+            self._saving = None
+
+    def _write(self, path: str, level: str, parts: dict, weights: dict | None, base_hashes: dict | None) -> dict:
+        hashes = {k: tensor_hash(v) for k, v in weights.items()} if weights is not None else {}
+        if weights is not None and level == "light":  # only what changed since the base, in the compact dtype
+            dtype = getattr(torch, self.cfg.checkpoint.light_dtype)
+            weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items() if hashes[k] != base_hashes.get(k)}
+        if weights is not None:
+            parts = {"model.pt": weights, **parts}
+        return {"files": {name: write_part(path, name, obj) for name, obj in parts.items()}, "hashes": hashes}
+
+    def load_state(self, data: bytes | dict, step: int) -> None:
+        """Take a live peer's state (bytes) or a checkpoint's parts, which are at `step`. In a group
+        with ZeRO-1, keep only this rank's shard of the optimizer state; outside one, all of it."""
+        state = _assemble(data) if isinstance(data, dict) else deserialize(data)
         self.applied = step
         if self.sync:  # unsent gradient of a state that is being replaced
             self.sync.residuals.clear()
@@ -387,6 +433,30 @@ def spawn(cfg: Config, manifest: str, count: int) -> list:
     cluster = cfg.cluster
     remote = ray.remote(TrainWorker).options(num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker, max_restarts=0)
     return [remote.remote(cfg.model_dump(), manifest) for _ in range(count)]
+
+
+def _assemble(parts: dict[str, bytes]) -> dict:
+    """A checkpoint's parts as one state: a light checkpoint's weights over its base's, ZeRO-1 shards merged."""
+    model = deserialize(parts["model.pt"])
+    if LIGHT in parts:
+        model |= {k: v.to(model[k].dtype) for k, v in deserialize(parts[LIGHT]).items()}
+    if "optim.pt" in parts:
+        optimizer = deserialize(parts["optim.pt"])
+    else:
+        shards = [deserialize(parts[n]) for n in sorted(parts) if re.fullmatch(r"optim-\d+\.pt", n)]
+        optimizer = zero_state.merge(shards, deserialize(parts["optim-groups.pt"]))
+    return {"model": model, "optimizer": optimizer, **deserialize(parts["extra.pt"])}
+
+
+def _snapshot(obj):
+    """A copy of a state dict's tensors on CPU: training goes on changing the originals in place."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_snapshot(v) for v in obj]
+    return obj
 
 
 def _to_cpu(obj):

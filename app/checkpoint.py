@@ -1,13 +1,19 @@
-"""Checkpoints on local disk or any fsspec URI, visible only once complete.
+"""Checkpoints in levels, on local disk or any fsspec URI, visible only once complete.
 
-S3 has no atomic rename, so a checkpoint is a directory `step-NNNNNNNN/` whose
-data is written first and whose `commit.json` (step, cursor, config, sha256 of
-every file) is written last. Readers trust only directories with a commit whose
-checksums match; anything else is debris from a crash.
+The levels, each at its own cadence (`checkpoint.*`):
+- cursor: the step and data cursor after every step, in `cursor.json` at the root. The RNG needs
+  nothing: every random draw is a pure function of (seed, step, rank).
+- light: the weights in `checkpoint.light_dtype`, only the tensors whose content hash differs from
+  the last full checkpoint's (its `base`), which supplies the rest and the optimizer state.
+- full: weights, optimizer (one part per rank under ZeRO-1), scheduler and scaler.
 
-This module moves bytes only; workers serialise their state with `torch.save`
-and load it with `torch.load(weights_only=True)` (`serialize`/`deserialize`),
-so the coordinator never imports torch and storage never feeds a pickle.
+S3 has no atomic rename, so a checkpoint is a directory `step-NNNNNNNN/` whose parts are written
+first, by the workers that hold them, and whose `commit.json` (level, step, cursor, config, sha256
+of every part) is written last, by the coordinator. Readers trust only a directory with a commit
+whose checksums match; anything else is the debris of a crash or a save still in flight.
+
+Parts are written with `torch.save` and read with `torch.load(weights_only=True)`, so storage never
+feeds a pickle; the coordinator moves verified bytes and never imports torch for them.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import io
 import json
 import logging
 import posixpath
+import threading
 from dataclasses import dataclass
 
 import fsspec
@@ -24,7 +31,8 @@ import fsspec
 log = logging.getLogger(__name__)
 
 COMMIT = "commit.json"
-STATE = "state.pt"
+CURSOR = "cursor.json"
+LIGHT = "light.pt"  # a light checkpoint's weights, as handed to the loader beside its base's parts
 
 
 class CheckpointError(RuntimeError):
@@ -33,12 +41,13 @@ class CheckpointError(RuntimeError):
 
 @dataclass
 class Checkpoint:
-    path: str
-    meta: dict
-    state: bytes
+    path: str  # the newest level's directory
+    meta: dict  # its commit
+    parts: dict[str, bytes]  # verified part files; a light one's weights under LIGHT, the rest from its base
+    base: str | None = None  # the full checkpoint a light one completes
 
 
-def serialize(state: dict) -> bytes:
+def serialize(state) -> bytes:
     import torch
 
     buf = io.BytesIO()
@@ -46,27 +55,78 @@ def serialize(state: dict) -> bytes:
     return buf.getvalue()
 
 
-def deserialize(data: bytes) -> dict:
+def deserialize(data: bytes):
     import torch
 
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-def save(uri: str, step: int, data: bytes, meta: dict, keep: int) -> str:
+def tensor_hash(tensor) -> str:
+    """Content hash of a CPU tensor's bytes: what a light save compares with its base."""
+    import torch
+
+    return hashlib.sha256(memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())).hexdigest()
+
+
+class _Hashing(io.RawIOBase):
+    """Streams `torch.save` output to storage while hashing it: one pass, no second copy in memory."""
+
+    def __init__(self, out):
+        self.out, self.sha, self.size = out, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.size += len(b)
+        self.out.write(b)
+        return len(b)
+
+
+def write_part(path: str, name: str, obj) -> dict:
+    """One part of a checkpoint at `path` (a step directory URI); its size and sha256 for the commit."""
+    import torch
+
+    with fsspec.open(posixpath.join(path, name), "wb") as f:
+        out = _Hashing(f)
+        torch.save(obj, out)
+    return {"bytes": out.size, "sha256": out.sha.hexdigest()}
+
+
+def prepare(uri: str, step: int) -> str:
+    """The directory for a checkpoint at `step`, emptied of an earlier uncommitted or corrupt attempt."""
     fs, root = fsspec.core.url_to_fs(uri)
     path = posixpath.join(root, f"step-{step:08d}")
     if fs.exists(path):
-        fs.rm(path, recursive=True)  # uncommitted or corrupt, else we would have resumed from it
+        fs.rm(path, recursive=True)  # a committed one that verified would have been resumed from instead
     fs.makedirs(path, exist_ok=True)
-    fs.pipe_file(posixpath.join(path, STATE), data)
-    commit = {**meta, "step": step, "files": {STATE: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}}
-    fs.pipe_file(posixpath.join(path, COMMIT), json.dumps(commit, indent=1).encode())
-    _retain(fs, root, keep)
+    return fs.unstrip_protocol(path)
+
+
+def commit(path: str, meta: dict, files: dict[str, dict]) -> None:
+    """The commit marker, last: a single PUT on object stores, a rename on local disk."""
+    fs, p = fsspec.core.url_to_fs(path)
+    body = json.dumps({**meta, "files": files}, indent=1).encode()
+    target = posixpath.join(p, COMMIT)
+    if _local(fs):
+        fs.pipe_file(target + ".tmp", body)
+        fs.mv(target + ".tmp", target)
+    else:
+        fs.pipe_file(target, body)
+
+
+def save(uri: str, step: int, parts: dict[str, object], meta: dict, keep: int) -> str:
+    """A synchronous save in one process: every part, then the commit, then retention."""
+    path = prepare(uri, step)
+    files = {name: write_part(path, name, obj) for name, obj in parts.items()}
+    commit(path, {"level": "full", **meta, "step": step}, files)
+    retain(uri, keep)
     return path
 
 
 def load_latest(uri: str) -> Checkpoint | None:
-    """The newest committed checkpoint whose bytes verify; older ones if the newest is bad."""
+    """The newest committed checkpoint whose parts verify (a light one with its base); older ones if it is bad."""
     fs, root = fsspec.core.url_to_fs(uri)
     fs.invalidate_cache(root)  # listings are cached per process; another process wrote these
     for path in reversed(_step_dirs(fs, root)):
@@ -74,46 +134,125 @@ def load_latest(uri: str) -> Checkpoint | None:
         if meta is None:
             continue
         try:
-            return Checkpoint(path, meta, _read_state(fs, path, meta))
+            if meta["level"] == "full":
+                return Checkpoint(fs.unstrip_protocol(path), meta, _read_parts(fs, path, meta))
+            base = posixpath.join(root, meta["base"])
+            base_meta = _read_commit(fs, base)
+            if base_meta is None:
+                raise CheckpointError(f"its base {meta['base']} is gone or uncommitted")
+            parts = _read_parts(fs, base, base_meta) | {LIGHT: _read_parts(fs, path, meta)["model.pt"]}
+            return Checkpoint(fs.unstrip_protocol(path), meta, parts, base=fs.unstrip_protocol(base))
         except CheckpointError as e:
             log.warning("skipping checkpoint %s: %s; falling back to an earlier one", path, e)
     return None
 
 
-def _read_state(fs, path: str, meta: dict) -> bytes:
-    expected = meta["files"][STATE]
+def retain(uri: str, keep: int) -> None:
+    """The last `keep` full checkpoints and the light ones after the newest; debris older than that goes."""
+    fs, root = fsspec.core.url_to_fs(uri)
+    fs.invalidate_cache(root)
+    dirs = _step_dirs(fs, root)
+    metas = {p: _read_commit(fs, p, quiet=True) for p in dirs}
+    fulls = [p for p in dirs if metas[p] and metas[p]["level"] == "full"]
+    lights = [p for p in dirs if metas[p] and metas[p]["level"] == "light" and fulls and p > fulls[-1]]
+    kept = set(fulls[-keep:]) | set(lights[-keep:])
+    newest = max(kept, default=None)
+    for p in dirs:
+        in_flight = metas[p] is None and (newest is None or p > newest)
+        if p not in kept and not in_flight:
+            fs.rm(p, recursive=True)
+
+
+def write_cursor(uri: str, record: dict) -> None:
+    fs, root = fsspec.core.url_to_fs(uri)
+    target = posixpath.join(root, CURSOR)
+    body = json.dumps(record).encode()
+    if _local(fs):
+        fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(target + ".tmp", body)
+        fs.mv(target + ".tmp", target)
+    else:
+        fs.pipe_file(target, body)
+
+
+def read_cursor(uri: str) -> dict | None:
+    fs, root = fsspec.core.url_to_fs(uri)
     try:
-        data = fs.cat_file(posixpath.join(path, STATE))
-    except FileNotFoundError:
-        raise CheckpointError(f"{STATE} is missing") from None
-    if hashlib.sha256(data).hexdigest() != expected["sha256"]:
-        raise CheckpointError(f"{STATE} does not match its sha256 (corrupt)")
-    return data
+        return json.loads(fs.cat_file(posixpath.join(root, CURSOR)))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
 
-def _read_commit(fs, path: str) -> dict | None:
+class CursorLog:
+    """The cursor level: the newest step's cursor, written by a background thread (the newest
+    wins), so a slow object store never stalls a step."""
+
+    def __init__(self, uri: str):
+        self.uri, self._latest, self._closed = uri, None, False
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="cursor-log", daemon=True)
+        self._thread.start()
+
+    def update(self, record: dict) -> None:
+        with self._wake:
+            self._latest = record
+            self._wake.notify()
+
+    def close(self) -> None:
+        """Write the last record, then stop."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._latest is not None or self._closed)
+                record, self._latest = self._latest, None
+                if record is None:
+                    return
+            try:
+                write_cursor(self.uri, record)
+            except OSError as e:  # the next step's record tries again
+                log.warning("could not write the data cursor to %s: %s", self.uri, e)
+
+
+def _local(fs) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def _read_parts(fs, path: str, meta: dict) -> dict[str, bytes]:
+    parts = {}
+    for name, expected in meta["files"].items():
+        try:
+            data = fs.cat_file(posixpath.join(path, name))
+        except FileNotFoundError:
+            raise CheckpointError(f"{name} is missing") from None
+        if hashlib.sha256(data).hexdigest() != expected["sha256"]:
+            raise CheckpointError(f"{name} does not match its sha256 (corrupt)")
+        parts[name] = data
+    return parts
+
+
+def _read_commit(fs, path: str, quiet: bool = False) -> dict | None:
     try:
         meta = json.loads(fs.cat_file(posixpath.join(path, COMMIT)))
     except FileNotFoundError:
         return None
     except (json.JSONDecodeError, UnicodeDecodeError):
-        log.warning("skipping checkpoint %s: unreadable %s", path, COMMIT)
+        if not quiet:
+            log.warning("skipping checkpoint %s: unreadable %s", path, COMMIT)
         return None
-    return meta if isinstance(meta, dict) and STATE in meta.get("files", {}) else None
+    if not (isinstance(meta, dict) and meta.get("level") in ("full", "light") and isinstance(meta.get("files"), dict)):
+        if not quiet:
+            log.warning("skipping checkpoint %s: its %s is not one this version writes", path, COMMIT)
+        return None
+    return meta
 
 
 def _step_dirs(fs, root: str) -> list[str]:
     if not fs.exists(root):
         return []
     names = [p.rstrip("/") for p in fs.ls(root, detail=False)]
-    return sorted(p for p in names if posixpath.basename(p).startswith("step-"))
-
-
-def _retain(fs, root: str, keep: int) -> None:
-    dirs = _step_dirs(fs, root)
-    committed = [p for p in dirs if fs.exists(posixpath.join(p, COMMIT))]
-    newest = committed[-1] if committed else None
-    for p in dirs:
-        stale = p in committed[:-keep] or (p not in committed and newest is not None and p < newest)
-        if stale:
-            fs.rm(p, recursive=True)
+    return sorted(p for p in names if posixpath.basename(p).startswith("step-") and not p.endswith(".tmp"))

@@ -153,9 +153,13 @@ class BalanceConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every: int = Field(50, ge=0, description="steps between checkpoints; 0 = only at the end")
+    every: int = Field(50, ge=0, description="steps between full checkpoints (weights, optimizer, scheduler, scaler); 0 = only at the end")
+    light_every: int = Field(0, ge=0, description="steps between light checkpoints (changed weights only, in light_dtype; "
+                             "a resume from one takes the optimizer state of the last full one, so it is not exact); 0 = none")
+    light_dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="dtype of a light checkpoint's weights")
+    async_save: bool = Field(True, description="write checkpoints in the background: a step waits only while the state is copied")
     uri: str | None = Field(None, description="directory or URI; default RUN_DIR/checkpoints")
-    keep: int = Field(3, ge=1, description="committed checkpoints kept")
+    keep: int = Field(3, ge=1, description="full checkpoints kept (and as many light ones after the newest)")
 
 
 class ClusterConfig(Section):

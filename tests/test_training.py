@@ -17,6 +17,7 @@ import torch
 
 from actors.coordinator import JobError
 from actors.worker import spawn
+from app import checkpoint
 from app.job import new_run_dir, train
 from app.metrics import read_jsonl
 from app.model import GPT
@@ -79,7 +80,8 @@ def test_loss_drops_and_run_dir_is_complete(make_cfg):
     assert [r["step"] for r in records] == list(range(1, 61))
     assert {"loss", "lr", "tokens_per_s", "step_time_s", "world_size"} <= set(records[0])
     assert (run_dir / "config.yaml").read_text() == cfg.to_yaml()
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000030", "step-00000060"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["cursor.json", "step-00000030", "step-00000060"]
+    assert checkpoint.read_cursor(str(run_dir / "checkpoints"))["step"] == 60
 
 
 def _kill_a_worker_after(run_dir: Path, step: int) -> threading.Thread:
