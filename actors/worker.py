@@ -25,7 +25,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from actors import zero_state
 from actors.compress import GradSync
-from app.checkpoint import LIGHT, deserialize, serialize, tensor_hash, write_part
+from app.checkpoint import (
+    LIGHT,
+    deserialize,
+    light_weights,
+    serialize,
+    tensor_hash,
+    write_part,
+)
 from app.config import Config
 from app.model import GPT
 from app.optim import make_optimizer, make_param_groups, make_scheduler
@@ -379,9 +386,8 @@ class TrainWorker:
 
     def _write(self, path: str, level: str, parts: dict, weights: dict | None, base_hashes: dict | None) -> dict:
         hashes = {k: tensor_hash(v) for k, v in weights.items()} if weights is not None else {}
-        if weights is not None and level == "light":  # only what changed since the base, in the compact dtype
-            dtype = getattr(torch, self.cfg.checkpoint.light_dtype)
-            weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items() if hashes[k] != base_hashes.get(k)}
+        if weights is not None and level == "light":
+            weights = light_weights(weights, hashes, base_hashes, self.cfg.checkpoint.light_dtype)
         if weights is not None:
             parts = {"model.pt": weights, **parts}
         return {"files": {name: write_part(path, name, obj) for name, obj in parts.items()}, "hashes": hashes}

@@ -68,6 +68,14 @@ def tensor_hash(tensor) -> str:
     return hashlib.sha256(memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())).hexdigest()
 
 
+def light_weights(weights: dict, hashes: dict[str, str], base_hashes: dict[str, str], dtype: str) -> dict:
+    """A light checkpoint's tensors: those whose hash differs from the base's, floats in `dtype`."""
+    import torch
+
+    compact = getattr(torch, dtype)
+    return {k: v.to(compact) if v.is_floating_point() else v for k, v in weights.items() if hashes[k] != base_hashes.get(k)}
+
+
 class _Hashing(io.RawIOBase):
     """Streams `torch.save` output to storage while hashing it: one pass, no second copy in memory."""
 

@@ -66,6 +66,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, started_at: float | 
         manifest = resolve_data(cfg)
         connect(cfg)
         workers = worker_module.result().spawn(cfg, manifest, cfg.cluster.num_workers)
+    _wait_for_name(f"etrain:{run_dir.name}")
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     coordinator = ray.remote(Coordinator).options(name=f"etrain:{run_dir.name}", num_cpus=0, max_concurrency=4, scheduling_strategy=here)
     coordinator = coordinator.remote(cfg.model_dump(), str(run_dir), manifest, started_at, workers)
@@ -77,6 +78,31 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, started_at: float | 
         ray.kill(coordinator)
         for w in workers:
             ray.kill(w)
+
+
+def _resumed(e: dict) -> str:
+    said = f"resumed at step {e['step']} from {e['path']}"
+    if e.get("reached_step", e["step"]) > e["step"]:
+        said += f"; the run had reached step {e['reached_step']}: {e['reached_step'] - e['step']} steps are redone"
+    if e.get("base"):
+        said += (f"\nwarning: that is a light checkpoint (weights only): the optimizer, scheduler and scaler state "
+                 f"come from the full checkpoint {e['base']}, so the run leaves the uninterrupted trajectory")
+    return said
+
+
+def _wait_for_name(name: str, timeout_s: float = 30) -> None:
+    """A run resumed right after its driver was killed: Ray is still removing the old coordinator.
+    One that outlives the wait is a live run of the same name, and two must not write one directory."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        if time.monotonic() > deadline:
+            raise ConfigError(f"run {name.split(':', 1)[1]} is still running (its coordinator {name} is alive); "
+                              f"stop it first (`ray job stop`, or kill its driver) before resuming it")
+        time.sleep(0.5)
 
 
 def _follow(coordinator, done, cfg: Config, progress: bool) -> None:
@@ -91,6 +117,7 @@ def _follow(coordinator, done, cfg: Config, progress: bool) -> None:
             for e in events:
                 if e["kind"] == "resume":
                     bar.n = e["step"]
+                    bar.write(_resumed(e))
                 elif e["kind"] == "train" and e.get("loss") is not None:
                     bar.update(e["step"] - bar.n)
                     bar.set_postfix(loss=f"{e['loss']:.3f}", tok_s=f"{e['tokens_per_s']:.0f}", world=e["world_size"])

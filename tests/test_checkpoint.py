@@ -157,3 +157,13 @@ def test_part_cut_short_is_detected(tmp_path, cut):
     data = target.read_bytes()
     target.write_bytes(data[:cut] if cut >= 0 else data[:len(data) + cut])
     assert checkpoint.load_latest(uri).meta["step"] == 5
+
+
+def test_light_weights_are_the_changed_tensors_in_the_compact_dtype():
+    base = {"frozen": torch.randn(8), "trained": torch.randn(8), "count": torch.tensor([3])}
+    base_hashes = {k: checkpoint.tensor_hash(v) for k, v in base.items()}
+    now = {**base, "trained": base["trained"] + 1}
+    hashes = {k: checkpoint.tensor_hash(v) for k, v in now.items()}
+    light = checkpoint.light_weights(now, hashes, base_hashes, "bfloat16")
+    assert set(light) == {"trained"} and light["trained"].dtype == torch.bfloat16
+    assert checkpoint.light_weights(now, hashes, {}, "float32").keys() == now.keys()  # no base: everything

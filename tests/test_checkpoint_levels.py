@@ -1,0 +1,39 @@
+"""Checkpoint levels on a real run: cadences, light bytes, and a resume from a light checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.coordinator import JobError
+from app import checkpoint
+from app.job import new_run_dir, train
+from tests.runs import FAST, records
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def test_levels_follow_their_cadences_and_a_light_resume_says_where_its_optimizer_came_from(make_cfg, capsys):
+    levels = ["checkpoint.light_every=3", "checkpoint.every=9", "cluster.max_recoveries=0", "cluster.warm_pool=0"]
+    cfg = make_cfg(*FAST, *levels, "run.name=levels", "train.steps=16", "faults=[{kind: kill, step: 14, rank: 1}]")
+    run_dir = new_run_dir(cfg)
+    with pytest.raises(JobError, match="max_recoveries"):
+        train(cfg, run_dir, progress=False)
+    saves = records(run_dir, "checkpoint")
+    # No base at step 3: the first save is a full one.
+    assert [(r["step"], r["level"]) for r in saves] == [(3, "full"), (6, "light"), (9, "full"), (12, "light")]
+    full, light = saves[2]["bytes"], saves[3]["bytes"]
+    assert light <= 0.2 * full, f"light {light} B vs full {full} B"
+    ck = checkpoint.load_latest(str(run_dir / "checkpoints"))
+    written = checkpoint.deserialize(ck.parts[checkpoint.LIGHT])
+    base = checkpoint.deserialize(ck.parts["model.pt"])
+    assert {str(t.dtype) for t in written.values()} == {"torch.bfloat16"}
+    assert set(written) == set(base)  # every parameter of this model trains: all changed since the base
+
+    resumed = make_cfg(*FAST, *levels, "run.name=levels", "train.steps=16")
+    summary = train(resumed, run_dir, resume=True, progress=False)
+    assert summary["steps"] == 16
+    event = records(run_dir, "resume")[0]
+    assert (event["step"], event["level"]) == (12, "light") and event["base"].endswith("step-00000009")
+    said = capsys.readouterr().out
+    assert "resumed at step 12" in said and "light checkpoint" in said and "step-00000009" in said
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 17))
