@@ -480,12 +480,14 @@ class Coordinator:
         return attached
 
     def _restore(self) -> None:
+        started = time.perf_counter()
         ckpt = self._latest_checkpoint()
         if ckpt is None:
             log.warning("no committed checkpoint under %s: starting from step 0", self.ckpt_uri)
             return
-        self._rewind(ckpt, "resume")
-        self._gather([w.load_state.remote(ray.put(ckpt.parts), self.step) for w in self.workers], "state load", self.cfg.timeouts.join_s)
+        parts = ray.put(ckpt.parts)
+        self._gather([w.load_state.remote(parts, ckpt.meta["step"]) for w in self.workers], "state load", self.cfg.timeouts.join_s)
+        self._rewind(ckpt, "resume", load_s=time.perf_counter() - started)
 
     def _latest_checkpoint(self):
         ckpt = checkpoint.load_latest(self.ckpt_uri)
@@ -493,7 +495,7 @@ class Coordinator:
             raise JobError(f"checkpoint {ckpt.path} was made by a different model/data/optimizer config; resume with the run's own config")
         return ckpt
 
-    def _rewind(self, ckpt, kind: str) -> None:
+    def _rewind(self, ckpt, kind: str, load_s: float | None = None) -> None:
         """The cursor and step to the checkpoint's; records of the steps after it are moved aside."""
         meta = ckpt.meta
         reached = (checkpoint.read_cursor(self.ckpt_uri) or {}).get("step", meta["step"]) if kind == "resume" else self.step
@@ -510,7 +512,7 @@ class Coordinator:
                         kind, ckpt.path, meta["step"], ckpt.base, meta["base_step"])
         moved = truncate_after(self.run_dir / "metrics.jsonl", self.step)
         self._record({"kind": kind, "step": self.step, "path": ckpt.path, "level": meta["level"], "base": ckpt.base,
-                      "reached_step": reached, "records_redone": moved, "time": time.time()})
+                      "reached_step": reached, "records_redone": moved, "load_s": load_s, "time": time.time()})
 
     def _stop(self) -> None:
         self.cursor_log.close()

@@ -12,7 +12,7 @@ import os
 import re
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -372,8 +372,8 @@ class TrainWorker:
             if lead:
                 parts["extra.pt"] = _snapshot({"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()})
         self._saving = self._writer.submit(self._write, path, level, parts, weights, base_hashes)
-        if not background:
-            self.checkpoint_wait()
+        if not background:  # written when this returns; checkpoint_wait hands over the files or the error
+            wait([self._saving])
 
     def checkpoint_wait(self) -> dict | None:
         """The files written by the last save (name -> bytes, sha256) and the weights' hashes; raises its error."""

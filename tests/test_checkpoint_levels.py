@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from runs import FAST, records
 
 from actors.coordinator import JobError
 from app import checkpoint
 from app.job import new_run_dir, train
-from tests.runs import FAST, records
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

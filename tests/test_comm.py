@@ -7,10 +7,12 @@ import math
 import numpy as np
 import pytest
 import ray
+import torch
 from runs import records, run, run_scaled
 from test_training import form_group
 
-from actors.worker import spawn
+from actors.worker import _assemble, spawn
+from app import checkpoint
 from app.checkpoint import deserialize, load_latest
 from app.job import train
 from app.model import GPT
@@ -65,9 +67,20 @@ def test_zero1_shards_the_optimizer_state_and_gathers_it_whole(make_cfg, tmp_pat
         ray.get([w.train_step.remote(0, ids, 16, 0) for w, ids in zip(workers, (np.arange(8), np.arange(8, 16)))])
         sharded = ray.get([w.optimizer_bytes.remote() for w in workers])
         gathered = ray.get([w.state.remote() for w in workers])  # every rank takes part; rank 0 gets it all
+        # A checkpoint: each rank writes its own shard, no gathering; the parts merge into the gathered state.
+        path = checkpoint.prepare(str(tmp_path / "ck"), 1)
+        ray.get([w.checkpoint_begin.remote(path, "full", None, False) for w in workers])
+        written = ray.get([w.checkpoint_wait.remote() for w in workers])
     finally:
         for w in workers:
             ray.kill(w)
+    assert sorted(written[0]["files"]) == ["extra.pt", "model.pt", "optim-000.pt", "optim-groups.pt"]
+    assert sorted(written[1]["files"]) == ["optim-001.pt"]
+    checkpoint.commit(path, {"level": "full", "step": 1}, written[0]["files"] | written[1]["files"])
+    merged = _assemble(checkpoint.load_latest(str(tmp_path / "ck")).parts)["optimizer"]
+    expected = deserialize(gathered[0])["optimizer"]
+    assert merged["param_groups"] == expected["param_groups"] and merged["state"].keys() == expected["state"].keys()
+    assert all(torch.equal(merged["state"][i][k], v) for i, st in expected["state"].items() for k, v in st.items())
     assert gathered[1] is None
     state = deserialize(gathered[0])["optimizer"]["state"]
     whole = sum(t.numel() * t.element_size() for st in state.values() for t in st.values())

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import ray
+from runs import FAST, records
 
 from app.api import NAMESPACE
 from app.job import new_run_dir, train
-from tests.runs import FAST, records
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["train.steps=24", "checkpoint.every=6"]
