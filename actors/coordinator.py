@@ -38,7 +38,7 @@ from app.metrics import append_jsonl, truncate_after, write_json
 from app.report import summarize
 from pipelines import order
 from pipelines.cache import ShardCache
-from pipelines.shards import read_manifest
+from pipelines.shards import read_manifest, row_sources
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,13 @@ class Coordinator:
     def _quarantine(self, ids, grad_norm: float, limit: float) -> None:
         """An outlier step's samples, with the shard and row each came from, to the run's quarantine log."""
         shards = self.layout.shard_of(ids)
-        sources = [{"sample": int(i), "shard": self.shard_paths[s], "row": int(i - self.layout.starts[s])} for i, s in zip(ids, shards)]
+        rows = ids - self.layout.starts[shards]
+        sources = [{"sample": int(i), "shard": self.shard_paths[s], "row": int(r)} for i, s, r in zip(ids, shards, rows)]
+        for s in np.unique(shards):  # the documents each row was packed from (the shard's `sources` column)
+            mine = np.flatnonzero(shards == s)
+            docs = row_sources(posixpath.join(posixpath.dirname(self.manifest), self.shard_paths[s]), rows[mine])
+            for k, names in zip(mine, docs or []):
+                sources[k]["documents"] = names
         append_jsonl(self.run_dir / "quarantine.jsonl", {"step": self.step + 1, "grad_norm": grad_norm, "limit": limit, "samples": sources})
         restarted = self.norms.reject(self.cfg.train.outlier_patience)
         self._record({"kind": "outlier", "step": self.step + 1, "grad_norm": grad_norm, "limit": limit, "samples": len(ids),

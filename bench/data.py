@@ -57,7 +57,7 @@ def make_shards(local: Path, shards: int, shard_mb: int) -> str:
     writer = SplitWriter(str(local), "train", SEQ + 1, "uint8", rows * (SEQ + 1))
     rng = np.random.default_rng(0)
     for _ in range(shards):
-        writer.add(rng.integers(1, 256, (rows, SEQ + 1), dtype=np.uint8))
+        writer.add(rng.integers(1, 256, (rows, SEQ + 1), dtype=np.uint8), [[f"random#{i}"] for i in range(rows)])
     writer.flush()
     write_manifest(str(local), seq_len=SEQ, dtype="uint8", vocab_size=256, tokenizer="bytes",
                    splits={"train": writer.shards, "eval": []}, source={"kind": "bench"})

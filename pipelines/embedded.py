@@ -25,7 +25,7 @@ import numpy as np
 
 from app.config import Config
 from pipelines import tokenizer
-from pipelines.shards import SplitWriter, write_manifest
+from pipelines.shards import SplitWriter, pack_rows, write_manifest
 
 
 def stdlib_files() -> list[Path]:
@@ -43,6 +43,7 @@ def ensure_corpus(cfg: Config) -> str:
         "shard_bytes": cfg.data.shard_bytes,
         "seq_len": cfg.model.seq_len,
         "tokenizer": "bytes",
+        "sources": True,  # rows name their documents (corpora built before that are rebuilt)
     }
     key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
     if "://" in cfg.data.cache_dir:
@@ -79,7 +80,8 @@ def build(out: Path, params: dict) -> dict:
     row_len = params["seq_len"] + 1
     writers = {s: SplitWriter(str(out), s, row_len, "uint8", params["shard_bytes"]) for s in ("train", "eval")}
     streams: dict[str, list[np.ndarray]] = {"train": [], "eval": []}
-    docs = {"train": 0, "eval": 0}
+    names: dict[str, list[str]] = {"train": [], "eval": []}
+    root = Path(sysconfig.get_paths()["stdlib"])
     total = 0
     for path in stdlib_files():
         if total >= params["corpus_bytes"]:
@@ -90,15 +92,13 @@ def build(out: Path, params: dict) -> dict:
             continue  # a few stdlib test files are deliberately not UTF-8
         split = "eval" if _held_out(path.name, params["eval_fraction"]) else "train"
         tokens = tokenizer.encode(text)
-        streams[split] += [tokens, np.array([tokenizer.EOT], dtype=np.uint8)]
-        docs[split] += 1
+        streams[split].append(np.append(tokens, np.uint8(tokenizer.EOT)))
+        names[split].append(f"stdlib/{path.relative_to(root)}#0")
         total += len(tokens)
-    for split, parts in streams.items():
-        stream = np.concatenate(parts)
-        n = len(stream) // row_len
-        writers[split].add(stream[: n * row_len].reshape(n, row_len))
+    for split, docs in streams.items():
+        writers[split].add(*pack_rows(docs, names[split], row_len))
         writers[split].flush()
-    source = {"kind": "embedded-stdlib", "documents": docs, "raw_bytes": total, **params}
+    source = {"kind": "embedded-stdlib", "documents": {s: len(n) for s, n in names.items()}, "raw_bytes": total, **params}
     return write_manifest(
         str(out), seq_len=params["seq_len"], dtype="uint8", vocab_size=tokenizer.VOCAB_SIZE,
         tokenizer="bytes", splits={s: w.shards for s, w in writers.items()}, source=source,

@@ -29,7 +29,7 @@ import ray
 
 from app.config import Config, ConfigError, PrepareConfig
 from pipelines import dedup, quality, tokenizer
-from pipelines.shards import SplitWriter, write_manifest
+from pipelines.shards import SplitWriter, pack_rows, write_manifest
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
@@ -167,21 +167,22 @@ def assign(doc: dict, cfg: Config) -> dict:
     split = "eval" if int(doc["sha"][:8], 16) / 2**32 < cfg.data.eval_fraction else "train"
     short, long_ = cfg.prepare.length_buckets
     bucket = "short" if doc["chars"] < short else "medium" if doc["chars"] < long_ else "long"
-    return {"doc_id": doc["doc_id"], "text": doc["text"], "group": f"{split}/{doc['source']}.{bucket}"}
+    return {"doc_id": doc["doc_id"], "text": doc["text"], "name": f"{doc['path']}#{doc['row']}", "group": f"{split}/{doc['source']}.{bucket}"}
 
 
 def pack(group, out: str, cfg: Config, storage: dict):
     """One logical shard: documents in id order, EOT-separated, cut into seq_len + 1 rows."""
     group = group.sort_values("doc_id")
     split, logical = group["group"].iloc[0].split("/")
-    stream = np.concatenate([np.append(tokenizer.encode(t), np.uint8(tokenizer.EOT)) for t in group["text"]])
+    docs = [np.append(tokenizer.encode(t), np.uint8(tokenizer.EOT)) for t in group["text"]]
     row_len = cfg.model.seq_len + 1
-    n = len(stream) // row_len
+    rows, sources = pack_rows(docs, list(group["name"]), row_len)
     writer = SplitWriter(out, f"{split}-{logical}", row_len, "uint8", cfg.data.shard_bytes, storage)
-    writer.add(stream[: n * row_len].reshape(n, row_len))
+    writer.add(rows, sources)
     writer.flush()
     entries = [{**s, "logical": logical} for s in writer.shards]
-    return {"split": [split], "entries": [json.dumps(entries)], "tokens": [n * row_len], "dropped_tokens": [len(stream) - n * row_len]}
+    total = sum(len(d) for d in docs)
+    return {"split": [split], "entries": [json.dumps(entries)], "tokens": [rows.size], "dropped_tokens": [total - rows.size]}
 
 
 def _staging(out: str, fs, root: str) -> str:

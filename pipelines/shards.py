@@ -2,8 +2,10 @@
 
 A shard is a Parquet file with one column, `tokens`, of fixed-size binary: each
 row is one packed sequence of `seq_len + 1` tokens (inputs plus the shifted
-target) at the tokenizer's width (uint8 for bytes), uncompressed, so a shard's
-size on storage is its token bytes and decoding is a zero-copy view.
+target) at the tokenizer's width (uint8 for bytes), uncompressed, so decoding
+is a zero-copy view. A second column, `sources`, names the documents each row
+was packed from (`path#row`), so a bad sample found in training can be traced
+back; readers of tokens never load it.
 
 `manifest.json` beside the shards lists, per split, every shard with its sample
 count, byte size and sha256; a sample's global id within a split is its row
@@ -43,10 +45,13 @@ class SplitWriter:
     storage: dict = field(default_factory=dict)  # fsspec options, e.g. endpoint_url
     shards: list[dict] = field(default_factory=list)
     _rows: list[np.ndarray] = field(default_factory=list)
+    _sources: list[list[str]] = field(default_factory=list)
     _pending: int = 0
 
-    def add(self, rows: np.ndarray) -> None:
+    def add(self, rows: np.ndarray, sources: list[list[str]]) -> None:
+        """`rows` and, for each row, the documents it was packed from."""
         self._rows.append(rows)
+        self._sources += sources
         self._pending += rows.nbytes
         if self._pending >= self.shard_bytes:
             self.flush()
@@ -57,15 +62,16 @@ class SplitWriter:
         rows = np.concatenate(self._rows)
         per_shard = max(1, self.shard_bytes // (self.row_len * np.dtype(self.dtype).itemsize))
         for start in range(0, len(rows), per_shard):
-            self.shards.append(self._write(rows[start : start + per_shard]))
-        self._rows, self._pending = [], 0
+            self.shards.append(self._write(rows[start : start + per_shard], self._sources[start : start + per_shard]))
+        self._rows, self._sources, self._pending = [], [], 0
 
-    def _write(self, rows: np.ndarray) -> dict:
+    def _write(self, rows: np.ndarray, sources: list[list[str]]) -> dict:
         name = f"{self.prefix}-{len(self.shards):05d}.parquet"
         width = self.row_len * rows.dtype.itemsize
         column = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(rows), [None, pa.py_buffer(rows.tobytes())])
+        table = pa.table({"tokens": column, "sources": pa.array(sources, type=pa.list_(pa.string()))})
         sink = io.BytesIO()
-        pq.write_table(pa.table({"tokens": column}), sink, compression="none", row_group_size=4096)
+        pq.write_table(table, sink, compression="none", row_group_size=4096, use_dictionary=["sources.list.element"])
         data = sink.getvalue()
         with fsspec.open(posixpath.join(self.out, name), "wb", **self.storage) as f:
             f.write(data)
@@ -142,6 +148,27 @@ class ShardReader:
         while len(self._cache) > self.cache_shards:
             self._cache.popitem(last=False)
         return rows
+
+
+def pack_rows(tokens: list[np.ndarray], names: list[str], row_len: int) -> tuple[np.ndarray, list[list[str]]]:
+    """Documents' tokens (each ending in EOT) concatenated and cut into rows of `row_len`; the tail
+    that fills no row is dropped. Each row comes with the names of the documents it overlaps."""
+    stream = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.uint8)
+    n = len(stream) // row_len
+    ends = np.cumsum([len(t) for t in tokens])  # document i covers [ends[i-1], ends[i])
+    first = np.searchsorted(ends, np.arange(n) * row_len, side="right")
+    last = np.searchsorted(ends, (np.arange(n) + 1) * row_len - 1, side="right")
+    return stream[: n * row_len].reshape(n, row_len), [names[a : b + 1] for a, b in zip(first, last)]
+
+
+def row_sources(uri: str, rows: np.ndarray) -> list[list[str]] | None:
+    """The documents rows of the shard at `uri` were packed from; None for shards written before sources were kept."""
+    with fsspec.open(uri, "rb") as f:
+        table = pq.read_table(f, columns=None)
+    if "sources" not in table.column_names:
+        return None
+    column = table.column("sources")
+    return [column[int(r)].as_py() for r in rows]
 
 
 def load_shard(uri: str, entry: dict, row_len: int, dtype: np.dtype) -> np.ndarray:

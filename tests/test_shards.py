@@ -1,4 +1,5 @@
 import json
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -6,7 +7,13 @@ import pytest
 
 from pipelines import tokenizer
 from pipelines.embedded import ensure_corpus, stdlib_files
-from pipelines.shards import ShardError, ShardReader, read_manifest
+from pipelines.shards import (
+    ShardError,
+    ShardReader,
+    pack_rows,
+    read_manifest,
+    row_sources,
+)
 
 
 @pytest.fixture
@@ -33,6 +40,26 @@ def test_rows_are_the_packed_token_stream(corpus):
     text = tokenizer.decode(rows[:4].reshape(-1))
     first = stdlib_files()[0].read_text()
     assert text[:200] in first or first[:200] in text  # the first document, byte for byte
+
+
+def test_pack_rows_names_every_document_a_row_overlaps():
+    docs = [np.full(3, 1, np.uint8), np.full(5, 2, np.uint8), np.full(2, 3, np.uint8), np.full(4, 4, np.uint8)]
+    rows, sources = pack_rows(docs, ["a#0", "b#0", "c#0", "d#0"], 4)
+    assert rows.tolist() == [[1, 1, 1, 2], [2, 2, 2, 2], [3, 3, 4, 4]]  # two tokens of d fill no row: dropped
+    assert sources == [["a#0", "b#0"], ["b#0"], ["c#0", "d#0"]]
+
+
+def test_rows_name_the_documents_they_were_packed_from(corpus):
+    """Trace a row back: its bytes lie in its documents, joined as they were packed."""
+    manifest = read_manifest(corpus)
+    shard = manifest["splits"]["train"]["shards"][1]
+    reader = ShardReader(corpus, "train")
+    start = manifest["splits"]["train"]["shards"][0]["samples"]
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for row, names in zip([0, 7, shard["samples"] - 1], row_sources(str(Path(corpus).parent / shard["path"]), np.array([0, 7, shard["samples"] - 1]))):
+        assert names and all(n.startswith("stdlib/") and n.endswith("#0") for n in names)
+        joined = b"".join((root / n.removeprefix("stdlib/").removesuffix("#0")).read_bytes() + bytes([tokenizer.EOT]) for n in names)
+        assert reader.get(np.array([start + row]))[0].tobytes() in joined
 
 
 def test_random_access_matches_sequential(corpus):
