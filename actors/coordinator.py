@@ -32,7 +32,7 @@ from actors.control import JobError, Observation, State, autoscale, next_state
 from actors.guards import NormWatch
 from actors.pool import WarmPool
 from actors.ps_mode import PSTraining
-from app import checkpoint
+from actors.saving import Saver
 from app.config import Config
 from app.metrics import append_jsonl, truncate_after, write_json
 from app.report import summarize
@@ -85,9 +85,7 @@ class Coordinator:
         self.lr_scale = 1.0  # halved by each rollback after a non-finite gradient
         self.norms = NormWatch()  # accepted gradient norms: the outlier guard's limit
         self.nan_rollbacks = 0
-        self.saving: dict | None = None  # the checkpoint being written in the background: one at a time
-        self.base: dict | None = None  # the last full checkpoint this run wrote: its directory and weight hashes
-        self.cursor_log = checkpoint.CursorLog(self.ckpt_uri)
+        self.saver = Saver(self.cfg, self.ckpt_uri, self._record)
         self.recoveries = 0
         self.fired: set[int] = set()  # indexes into cfg.faults
         self.phase = State.STARTING
@@ -104,7 +102,7 @@ class Coordinator:
         try:
             if self.cfg.comm.mode == "ps":
                 self._train_ps(resume)
-                self._finish_save()
+                self.saver.finish()
                 return self._summary()
             self._form(self.workers, reason="start")
             if resume:
@@ -117,7 +115,7 @@ class Coordinator:
                         State.RESIZING: self._resize, State.RECOVERING: self._recover}
             while (state := self._decide()) not in (State.FINISHED, State.FAILED):
                 handlers[state]()
-            self._finish_save()
+            self.saver.finish()
             if state == State.FAILED:
                 raise JobError(f"lost workers more than cluster.max_recoveries={self.recoveries} times; resume with `etrain train --resume {self.run_dir}`")
             return self._summary()
@@ -177,7 +175,7 @@ class Coordinator:
         obs = Observation(
             step=self.step, total_steps=self.cfg.train.steps, world=len(self.workers), target=self._target(),
             lost=len(self.lost), recoveries=self.recoveries, max_recoveries=self.cfg.cluster.max_recoveries,
-            checkpoint_due=self._save_level() is not None and self.saved_step != self.step,
+            checkpoint_due=self.saver.level(self.step) is not None and self.saved_step != self.step,
             evict=sum(self.nodes.get(w) in self.draining for w in self.workers),
         )
         self.phase = next_state(self.phase, obs)
@@ -257,8 +255,7 @@ class Coordinator:
             self.norms.add(results[0]["grad_norm"])
         for worker, result in zip(self.workers, results):
             self.balancer.observe(worker, result["samples"], result["compute_s"])
-        if self.saving and not any(r["saving"] for r in results):  # every writer is done: commit it
-            self._finish_save()
+        self.saver.observe(results)
         if self.balancer.balanced != was_balanced:
             self._record({"kind": "balance", "step": self.step + 1, "balanced": self.balancer.balanced,
                           "shares": [len(s) for s in shares], "time": time.time()})
@@ -310,7 +307,7 @@ class Coordinator:
                 **self._data_metrics([r["data"] for r in results]),
             }
         self._record(record)
-        self.cursor_log.update({"step": self.step, "cursor": self.cursor, "batch": batch, "time": record["time"]})
+        self.saver.stepped({"step": self.step, "cursor": self.cursor, "batch": batch, "time": record["time"]})
         self._close_event(stepped=True)
 
     def _close_event(self, stepped: bool) -> None:
@@ -372,7 +369,7 @@ class Coordinator:
         """Survivors plus ready pool workers redo the step; fewer if the pool is short (more join when ready).
         With ZeRO-1 the lost workers took their optimizer shards along: everyone goes back to the last checkpoint."""
         started = self._failed_since  # "detect" spans the failed step, from its dispatch to the lost list
-        self._finish_save()  # a lost writer fails it; the others' parts are of a good step
+        self.saver.finish()  # a lost writer fails it; the others' parts are of a good step
         survivors = [w for w in self.workers if w not in self.lost]
         self.recoveries += 1
         whole = self._rollback("a worker lost with its ZeRO-1 optimizer shard") if self._sharded() else None
@@ -382,7 +379,7 @@ class Coordinator:
     def _resize(self) -> None:
         """Members on draining nodes leave (preemption); then shrink to, or grow towards, the target."""
         started = time.perf_counter()
-        self._finish_save()  # writers may be leaving
+        self.saver.finish()  # writers may be leaving
         target = self._target()
         whole = self._consolidate() if self._sharded() else None  # before anyone leaves: every shard is needed
         if self._sharded() and whole is None:
@@ -432,7 +429,6 @@ class Coordinator:
 
     def _rollback(self, why: str):
         """Back to the last committed checkpoint: its parts as a ref; the cursor and records follow."""
-        self._finish_save()  # the save in flight holds a good step: the newest to go back to
         ckpt = self._latest_checkpoint()
         if ckpt is None:
             raise JobError(f"{why} needs a checkpoint to go back to, and there is none under {self.ckpt_uri} yet; "
@@ -496,18 +492,15 @@ class Coordinator:
         self._rewind(ckpt, "resume", load_s=time.perf_counter() - started)
 
     def _latest_checkpoint(self):
-        ckpt = checkpoint.load_latest(self.ckpt_uri)
-        if ckpt is not None and ckpt.meta["config_hash"] != self.cfg.hash():
-            raise JobError(f"checkpoint {ckpt.path} was made by a different model/data/optimizer config; resume with the run's own config")
-        return ckpt
+        return self.saver.latest(self.cfg.hash())
 
     def _rewind(self, ckpt, kind: str, load_s: float | None = None) -> None:
         """The cursor and step to the checkpoint's; records of the steps after it are moved aside."""
         meta = ckpt.meta
-        reached = (checkpoint.read_cursor(self.ckpt_uri) or {}).get("step", meta["step"]) if kind == "resume" else self.step
+        reached = (self.saver.reached() or meta["step"]) if kind == "resume" else self.step
         self.step, self.cursor = meta["step"], meta["cursor"]
         self.saved_step = self.step
-        self.base = None  # the next save is a full one: a light one needs hashes of a base this run wrote
+        self.saver.base = None  # the next save is a full one: a light one needs hashes of a base this run wrote
         if kind == "resume":  # a rollback keeps the lr it has halved since
             self.lr_scale = meta.get("lr_scale", 1.0)
             self.balancer.load(meta.get("balance"), self.workers)
@@ -521,7 +514,7 @@ class Coordinator:
                       "reached_step": reached, "records_redone": moved, "load_s": load_s, "time": time.time()})
 
     def _stop(self) -> None:
-        self.cursor_log.close()
+        self.saver.close()
         for w in self.workers:
             ray.kill(w)
         self.workers = []
@@ -563,61 +556,11 @@ class Coordinator:
         loss = sum(r[0] for r in results) / sum(r[1] for r in results)
         self._record({"kind": "eval", "step": self.step, "eval_loss": loss, "time": time.time()})
 
-    def _save_level(self) -> str | None:
-        """The checkpoint level due at this step: full (or light without a base to complete it), light, or none."""
-        light = self.cfg.checkpoint.light_every
-        if self._due(self.cfg.checkpoint.every):
-            return "full"
-        if light and self.step % light == 0:
-            return "light" if self.base is not None else "full"
-        return None
-
     def _checkpoint(self) -> None:
-        """The writers copy their part of the state to CPU and write it in the background: the step waits
-        for the copy only, and for the previous save if it is still in flight (one at a time).
-        The last step's save is waited for: the job's result."""
-        self._finish_save()
-        started = time.perf_counter()
-        level = self._save_level() or "full"
-        writers = self.workers if self._sharded() and level == "full" else self.workers[:1]
-        path = checkpoint.prepare(self.ckpt_uri, self.step)
-        meta = {"level": level, "step": self.step, "cursor": self.cursor, "config_hash": self.cfg.hash(), "config": self.cfg.model_dump(),
-                "world_size": len(self.workers), "lr_scale": self.lr_scale, "norms": self.norms.state(),
-                "balance": self.balancer.state(self.workers)}
-        if level == "light":
-            meta |= {"base": self.base["dir"], "base_step": self.base["step"]}
-        background = self.cfg.checkpoint.async_save
-        hashes = self.base["hashes"] if level == "light" else None
-        self._gather([w.checkpoint_begin.remote(path, level, hashes, background) for w in writers], "checkpoint")
-        self.saving = {"path": path, "meta": meta, "writers": writers, "started": started, "stall_s": time.perf_counter() - started}
+        meta = {"cursor": self.cursor, "config_hash": self.cfg.hash(), "config": self.cfg.model_dump(), "world_size": len(self.workers),
+                "lr_scale": self.lr_scale, "norms": self.norms.state(), "balance": self.balancer.state(self.workers)}
+        self.saver.begin(self.step, self.workers, self._sharded(), meta, self._gather)
         self.saved_step = self.step
-        if not background or self.step == self.cfg.train.steps:
-            self._finish_save()
-
-    def _finish_save(self) -> None:
-        """Commit the save in flight once every writer has written its part (waiting for them).
-        A writer that fails or is lost leaves it uncommitted: resume and rollback use the one before."""
-        if self.saving is None:
-            return
-        save, self.saving = self.saving, None
-        meta = save["meta"]
-        try:
-            results = ray.get([w.checkpoint_wait.remote() for w in save["writers"]], timeout=self.cfg.timeouts.step_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as e:
-            why = getattr(e, "cause", None) or e
-            log.warning("checkpoint at step %d was not written: %s", meta["step"], why)
-            self._record({"kind": "checkpoint_failed", "step": meta["step"], "error": str(why)[:500], "time": time.time()})
-            if meta["step"] == self.cfg.train.steps:
-                raise JobError(f"the final checkpoint could not be written to {self.ckpt_uri}: {why}") from None
-            return
-        files = {name: info for r in results for name, info in r["files"].items()}
-        checkpoint.commit(save["path"], meta, files)
-        if meta["level"] == "full":
-            self.base = {"dir": posixpath.basename(save["path"].rstrip("/")), "step": meta["step"], "hashes": results[0]["hashes"]}
-        checkpoint.retain(self.ckpt_uri, self.cfg.checkpoint.keep)
-        self._record({"kind": "checkpoint", "level": meta["level"], "step": meta["step"], "path": save["path"],
-                      "bytes": sum(f["bytes"] for f in files.values()), "stall_s": save["stall_s"],
-                      "save_s": time.perf_counter() - save["started"], "time": time.time()})
 
     def _gather(self, refs: list, what: str, timeout: float | None = None) -> list:
         timeout = timeout or self.cfg.timeouts.step_s

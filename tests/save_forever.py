@@ -5,6 +5,7 @@ checkpoint that is whole from one mixing steps or cut short.
 """
 
 import sys
+import time
 
 import torch
 
@@ -12,12 +13,13 @@ from app import checkpoint
 
 
 def main(uri: str, step: int) -> None:
-    print("ready", flush=True)
     while True:
+        started = time.perf_counter()
         parts = {"model.pt": {f"w{i}": torch.full((256, 1024), float(step)) for i in range(4)},
                  "optim.pt": {"state": {i: {"exp_avg": torch.full((256, 1024), float(step))} for i in range(4)}},
                  "extra.pt": {"step": step}}
         checkpoint.save(uri, step, parts, {"cursor": step * 16}, keep=2)
+        print(f"saved {step} {time.perf_counter() - started:.4f}", flush=True)
         step += 1
 
 

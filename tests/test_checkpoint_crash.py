@@ -32,8 +32,8 @@ def kill_while_saving(uri: str, kills: int, seed: int) -> tuple[int, int]:
         start = latest.meta["step"] + 1 if latest else 1
         victim = subprocess.Popen([sys.executable, str(ROOT / "tests" / "save_forever.py"), uri, str(start)],
                                   cwd=ROOT, stdout=subprocess.PIPE, text=True)
-        assert victim.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.05, 1.0))
+        _, _, took = victim.stdout.readline().split()  # its first save, to learn the pace of this store
+        time.sleep(rng.uniform(0, 2 * float(took)))  # mostly inside the next save or two, anywhere in one
         victim.send_signal(signal.SIGKILL)
         victim.wait()
         ck = checkpoint.load_latest(uri)
@@ -54,11 +54,11 @@ def kill_while_saving(uri: str, kills: int, seed: int) -> tuple[int, int]:
 
 def test_killed_saves_never_leave_a_valid_looking_checkpoint_on_disk(tmp_path):
     seen, debris = kill_while_saving(str(tmp_path / "ck"), kills=8, seed=0)
-    assert seen >= 6  # the victims got checkpoints through, so the kills landed among saves
-    assert debris >= 3  # and most landed inside one, leaving an uncommitted step behind
+    assert seen == 8  # every victim committed one checkpoint before it was killed
+    assert debris >= 3  # most kills landed inside a save, leaving an uncommitted step behind
 
 
 @pytest.mark.timeout(180)
 def test_killed_saves_never_leave_a_valid_looking_checkpoint_on_s3(s3_bucket):
     seen, debris = kill_while_saving(f"{s3_bucket}/ck", kills=4, seed=1)
-    assert seen >= 3 and debris >= 1
+    assert seen == 4 and debris >= 1
