@@ -84,6 +84,41 @@ def cmd_spot_watch(args, started_at: float) -> int:
     return 0
 
 
+def cmd_tune(args, started_at: float) -> int:
+    from tune.search import format_table, run_search
+    from tune.space import load_space
+
+    if args.trials < 1 or args.concurrency < 1:
+        raise ConfigError(f"--trials and --concurrency must be at least 1, got {args.trials} and {args.concurrency}")
+    out = Path(args.out)
+    if args.resume:
+        saved = out / "search.json"
+        if not saved.is_file():
+            raise ConfigError(f"no search to resume under {out} (no search.json); start one without --resume")
+        spec = json.loads(saved.read_text())
+        base, space_file = load_config(str(out / "base.yaml")), spec["space"]
+    else:
+        if not args.space:
+            raise ConfigError("--space SPACE.yaml is required (config keys and their distributions; see tune/space.py)")
+        base, space_file = load_config(args.config, args.set), str(Path(args.space).resolve())
+        spec = {"space": space_file, "trials": args.trials, "concurrency": args.concurrency, "seed": args.seed,
+                "sampler": args.sampler, "pruning": not args.no_pruning}
+    space = load_space(space_file, base)
+    if not args.resume:
+        if (out / "study").exists():
+            raise ConfigError(f"{out} already holds a search; continue it with --resume, or choose another --out")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "base.yaml").write_text(base.to_yaml())
+        (out / "search.json").write_text(json.dumps(spec, indent=1) + "\n")
+    rows = run_search(base, space, spec["trials"], out, concurrency=spec["concurrency"], seed=spec["seed"], sampler=spec["sampler"],
+                      pruning=spec["pruning"], resume=args.resume, progress=not args.no_progress)
+    print(format_table(rows))
+    print(f"trials: {out / 'trials.json'}", file=sys.stderr)
+    if (out / "best.yaml").is_file():
+        print(f"best config: {out / 'best.yaml'}  (train it: etrain train --config {out / 'best.yaml'})", file=sys.stderr)
+    return 0
+
+
 def cmd_config(args, started_at: float) -> int:
     print(load_config(args.config, args.set).to_yaml(), end="")
     return 0
@@ -137,6 +172,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--node-id", help="node to drain; default the node this runs on")
     p.add_argument("--every", type=float, default=5.0, help="seconds between polls (AWS gives 120 s notice)")
     p.set_defaults(func=cmd_spot_watch)
+
+    p = sub.add_parser("tune", help="Bayesian hyper-parameter search (Ray Tune, Optuna TPE, ASHA) over real training runs")
+    with_config(p)
+    p.add_argument("--space", help="YAML: config keys and their distributions (loguniform, uniform, int, choice)")
+    p.add_argument("--trials", type=int, default=20, help="trials to run")
+    p.add_argument("--concurrency", type=int, default=1, help="trials at once (each takes cluster.num_workers workers)")
+    p.add_argument("--out", default="tune", help="the search's directory: study, trials' runs, trials.json, best.yaml")
+    p.add_argument("--seed", type=int, default=0, help="the sampler's seed (with --concurrency 1 a search repeats exactly)")
+    p.add_argument("--sampler", choices=["tpe", "random"], default="tpe", help="TPE (multivariate) or random search")
+    p.add_argument("--no-pruning", action="store_true", help="run every trial to the end (no ASHA)")
+    p.add_argument("--resume", action="store_true", help="continue the search in --out; finished trials are not run again")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("config", help="print the resolved config")
     with_config(p)

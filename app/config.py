@@ -284,6 +284,14 @@ def load_config(config: str | None = None, overrides: list[str] = ()) -> Config:
     return validate(raw)
 
 
+def override(cfg: Config, values: dict[str, Any]) -> Config:
+    """`cfg` with dotted keys set (a trial's parameters), validated again."""
+    raw = cfg.model_dump()
+    for key, value in values.items():
+        _set_path(raw, key, value)
+    return validate(raw)
+
+
 def resolve_preset(config: str) -> Path:
     path = Path(config)
     if path.suffix in (".yaml", ".yml") or path.exists():

@@ -11,12 +11,16 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 from tqdm import tqdm
 
 from actors.coordinator import Coordinator
@@ -48,17 +52,19 @@ def resolve_data(cfg: Config) -> str:
     return cfg.data.source
 
 
-def connect(cfg: Config) -> None:
+def connect(cfg: Config, jobs: int = 1) -> None:
     if ray.is_initialized():
         return
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    # A local instance gets logical CPUs for every worker and the warm pool, even on a 2-core laptop.
-    cpus = None if address else max(os.cpu_count() or 1, cfg.cluster.cpus_per_worker * (cfg.cluster.num_workers + cfg.cluster.warm_pool))
+    # A local instance gets logical CPUs for every worker and the warm pool of `jobs` jobs (trials), even on a 2-core laptop.
+    cpus = None if address else max(os.cpu_count() or 1, jobs * cfg.cluster.cpus_per_worker * (cfg.cluster.num_workers + cfg.cluster.warm_pool) + 1)
     # "local": a new instance even when a stale /tmp/ray/ray_current_cluster names a dead one.
     ray.init(address=address or "local", num_cpus=cpus, namespace=NAMESPACE, logging_level=logging.WARNING)
 
 
-def train(cfg: Config, run_dir: Path, resume: bool = False, started_at: float | None = None, progress: bool = True) -> dict:
+def train(cfg: Config, run_dir: Path, resume: bool = False, started_at: float | None = None, progress: bool = True,
+          on_eval: Callable[[dict], None] | None = None) -> dict:
+    """Run (or resume) a job to its end; `on_eval` sees each evaluation record as it happens (a Tune trial reports them)."""
     started_at = started_at or time.time()
     # The worker module brings torch (~3 s to import): load it while Ray starts.
     with ThreadPoolExecutor(1) as pool:
@@ -67,12 +73,11 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, started_at: float | 
         connect(cfg)
         workers = worker_module.result().spawn(cfg, manifest, cfg.cluster.num_workers)
     _wait_for_name(f"etrain:{run_dir.name}")
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    coordinator = ray.remote(Coordinator).options(name=f"etrain:{run_dir.name}", num_cpus=0, max_concurrency=4, scheduling_strategy=here)
+    coordinator = ray.remote(Coordinator).options(name=f"etrain:{run_dir.name}", num_cpus=0, max_concurrency=4, scheduling_strategy=_beside_driver())
     coordinator = coordinator.remote(cfg.model_dump(), str(run_dir), manifest, started_at, workers)
     try:
         done = coordinator.run.remote(resume)
-        _follow(coordinator, done, cfg, progress)
+        _follow(coordinator, done, cfg, progress, on_eval)
         return ray.get(done)
     finally:
         ray.kill(coordinator)
@@ -105,7 +110,16 @@ def _wait_for_name(name: str, timeout_s: float = 30) -> None:
         time.sleep(0.5)
 
 
-def _follow(coordinator, done, cfg: Config, progress: bool) -> None:
+def _beside_driver():
+    """The coordinator runs on the driver's node (the run directory is there). Inside a placement
+    group (a Tune trial's), in its first bundle, so the workers it starts later stay in the group."""
+    group = ray.util.get_current_placement_group()
+    if group is not None:
+        return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def _follow(coordinator, done, cfg: Config, progress: bool, on_eval: Callable[[dict], None] | None = None) -> None:
     # In a terminal the bar redraws in place; in a job log (ray job submit) a line every 30 s is enough.
     interactive = sys.stderr.isatty()
     bar = tqdm(total=cfg.train.steps, unit="step", desc="starting", disable=not progress, dynamic_ncols=True, mininterval=0.1 if interactive else 30)
@@ -123,6 +137,8 @@ def _follow(coordinator, done, cfg: Config, progress: bool) -> None:
                     bar.set_postfix(loss=f"{e['loss']:.3f}", tok_s=f"{e['tokens_per_s']:.0f}", world=e["world_size"])
                 elif e["kind"] == "eval":
                     bar.write(f"step {e['step']}: eval loss {e['eval_loss']:.4f}")
+                    if on_eval is not None:
+                        on_eval(e)
                 elif e["kind"] == "membership":
                     phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in e["phases"].items())
                     bar.write(f"step {e['step']}: {e['reason']} {e['world_before']} -> {e['world_after']} workers in {e['total_s']:.2f} s ({phases})")

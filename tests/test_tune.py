@@ -1,0 +1,88 @@
+"""Hyper-parameter search: the space file's checks, and a real search on the session's Ray
+(Tune + Optuna TPE + ASHA) that is killed mid-way, resumed, and survives a failing trial."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from app.cli import main
+from app.config import ConfigError, load_config
+from app.metrics import read_jsonl
+from tune.space import load_space
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("text, says", [
+    ("optim.lrr: {uniform: [0.1, 0.2]}", "'optim.lrr'"),
+    ("optim.lr: {uniform: [0.2, 0.1]}", "low < high"),
+    ("optim.lr: {loguniform: [0.0, 0.1]}", "low > 0"),
+    ("optim.lr: {normal: [0.0, 0.1]}", "exactly one of"),
+    ("model.n_layer: {int: [1.5, 3]}", "whole-number"),
+    ("model.n_head: {choice: [4, 3]}", "'model.n_head' = 3"),
+    ("train.steps: {int: [10, 100]}", "budget"),
+    ("optim.lr: {choice: []}", "non-empty"),
+    ("- optim.lr", "mapping"),
+])
+def test_a_bad_space_names_the_parameter(tmp_path, text, says):
+    space = tmp_path / "space.yaml"
+    space.write_text(text)
+    with pytest.raises(ConfigError, match=None) as e:
+        load_space(space, load_config("tiny"))
+    assert says in str(e.value)
+
+
+def test_bad_space_exits_2(tmp_path, capsys):
+    space = tmp_path / "space.yaml"
+    space.write_text("optim.lr: {uniform: [1, 0]}")
+    assert main(["tune", "--config", "tiny", "--space", str(space), "--out", str(tmp_path / "t")]) == 2
+    assert "optim.lr" in capsys.readouterr().err
+    assert main(["tune", "--resume", "--out", str(tmp_path / "none")]) == 2
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_search_survives_a_failing_trial_and_resumes_after_a_kill(data_dir, tmp_path):
+    space = tmp_path / "space.yaml"
+    space.write_text("optim.lr: {loguniform: [1.0e-3, 1.0e-2]}\ndata.source: {choice: [embedded, /nonexistent/manifest.json]}\n")
+    out = tmp_path / "search"
+    sets = [f"data.cache_dir={data_dir}", "data.corpus_bytes=1500000", "data.shard_bytes=200000", "train.steps=12",
+            "train.eval_every=4", "checkpoint.every=4", "cluster.num_workers=1", "cluster.warm_pool=0"]
+    args = ["tune", "--config", "tiny", *(a for s in sets for a in ("--set", s)), "--space", str(space),
+            "--trials", "3", "--concurrency", "2", "--seed", "3", "--out", str(out), "--no-progress"]
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    code = "import sys; from app.cli import main; sys.exit(main())"
+    driver = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not list(out.glob("trials/*/summary.json")):  # the first trial finished
+        assert driver.poll() is None, driver.stderr.read()[-3000:]
+        assert time.time() < deadline, "no trial finished within 240 s"
+        time.sleep(0.2)
+    finished = next(out.glob("trials/*/summary.json")).parent.name
+    driver.send_signal(signal.SIGKILL)
+    driver.wait(timeout=30)
+    assert not (out / "trials.json").exists()
+
+    assert main(["tune", "--resume", "--out", str(out), "--no-progress"]) == 0
+    rows = json.loads((out / "trials.json").read_text())
+    assert len(rows) == 3 and len({r["trial"] for r in rows}) == 3
+    assert {r["status"] for r in rows} <= {"completed", "pruned", "failed"}
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert failed and all(r["params"]["data.source"] == "/nonexistent/manifest.json" and "nonexistent" in r["error"] for r in failed)
+    # The trial that had finished its training before the kill trains no step again: if Tune had not
+    # recorded it as done yet, it resumes from its last checkpoint, at its last step.
+    assert finished in {r["trial"] for r in rows}
+    records = read_jsonl(out / "trials" / finished / "metrics.jsonl")
+    assert all(r["step"] == 12 for r in records if r["kind"] == "resume")
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 13))
+    best = min((r for r in rows if r["status"] == "completed"), key=lambda r: r["eval_loss"])
+    assert rows[0] == best
+    assert load_config(str(out / "best.yaml")).optim.lr == pytest.approx(best["params"]["optim.lr"])
