@@ -53,8 +53,8 @@ class Saver:
         """Have the writers stage and write their parts of the state at `step`: every rank its optimizer
         shard under ZeRO-1 (full saves), else rank 0 alone. The step loop waits only for the staging (and
         for the previous save, if still in flight); synchronous saves and the last step's are waited for."""
-        self.finish()
         started = time.perf_counter()
+        self.finish()
         level = self.level(step) or "full"
         writers = workers if sharded and level == "full" else workers[:1]
         path = checkpoint.prepare(self.uri, step)

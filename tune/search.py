@@ -112,11 +112,18 @@ def table(grid, keys: list[str], steps: int) -> list[dict]:
         reached = metrics.get("step", 0)
         status = "failed" if result.error else "completed" if reached >= steps else "pruned"
         params = {k: (result.config or {}).get(k) for k in keys}
-        rows.append({"trial": metrics.get("trial_id") or (Path(result.path).name if result.path else None), "params": params,
+        rows.append({"trial": metrics.get("trial_id") or (Path(result.path).name if result.path else None),
+                     "number": _number(result.path), "params": params,
                      METRIC: metrics.get(METRIC), "steps": reached, "status": status,
                      "error": _why(result.error) if result.error else None})
     order = {"completed": 0, "pruned": 1, "failed": 2}
     return sorted(rows, key=lambda r: (order[r["status"]], r[METRIC] if r[METRIC] is not None else float("inf")))
+
+
+def _number(path: str | None) -> int | None:
+    """The trial's position in the search: Tune names its directory _trial_ID_NUMBER_params_date."""
+    parts = Path(path).name.split("_") if path else []
+    return int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else None
 
 
 def _why(error: BaseException) -> str:

@@ -1,0 +1,40 @@
+"""The notebooks, executed top to bottom on the session's Ray instance with tiny budgets."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+import ray
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def execute(name: str, env: dict[str, str]) -> nbformat.NotebookNode:
+    nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), f"{name} is committed with outputs"
+    env = env | {"RAY_ADDRESS": ray.get_runtime_context().gcs_address, "MPLBACKEND": "Agg"}  # the kernel inherits these
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return nb
+
+
+def images(nb: nbformat.NotebookNode) -> int:
+    return sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+def test_hpo_notebook_searches_and_plots(data_dir):
+    small = ["data.corpus_bytes=1500000", "data.shard_bytes=200000"]
+    nb = execute("03_hpo.ipynb", {"ETRAIN_NB_TRIALS": "4", "ETRAIN_NB_STEPS": "8", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": json.dumps(small)})
+    assert images(nb) == 3  # history, importances, learning curve
