@@ -82,12 +82,9 @@ class Saver:
         try:
             results = ray.get([w.checkpoint_wait.remote() for w in save.writers], timeout=self.cfg.timeouts.step_s)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as e:
-            why = getattr(e, "cause", None) or e
-            log.warning("checkpoint at step %d was not written: %s", step, why)
-            self._record({"kind": "checkpoint_failed", "step": step, "error": str(why)[:500], "time": time.time()})
-            if step == self.cfg.train.steps:
-                raise JobError(f"the final checkpoint could not be written to {self.uri}: {why}") from None
-            return
+            return self._failed(step, getattr(e, "cause", None) or e)
+        if any(r is None for r in results):
+            return self._failed(step, "a writer holds no save in progress (it was replaced)")
         files = {name: info for r in results for name, info in r["files"].items()}
         checkpoint.commit(save.path, save.meta, files)
         if save.meta["level"] == "full":
@@ -96,6 +93,12 @@ class Saver:
         self._record({"kind": "checkpoint", "level": save.meta["level"], "step": step, "path": save.path,
                       "bytes": sum(f["bytes"] for f in files.values()), "stall_s": save.stall_s,
                       "save_s": time.perf_counter() - save.started, "time": time.time()})
+
+    def _failed(self, step: int, why) -> None:
+        log.warning("checkpoint at step %d was not written: %s", step, why)
+        self._record({"kind": "checkpoint_failed", "step": step, "error": str(why)[:500], "time": time.time()})
+        if step == self.cfg.train.steps:
+            raise JobError(f"the final checkpoint could not be written to {self.uri}: {why}")
 
     def stepped(self, record: dict) -> None:
         """The cursor level: the step just committed and the data cursor after it."""

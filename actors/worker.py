@@ -358,7 +358,9 @@ class TrainWorker:
         """Copy this rank's part of the state to CPU, then write it under `path`: in the background,
         so training goes on, unless told otherwise. Rank 0 writes the weights, scheduler and scaler;
         the optimizer state is rank 0's, or under ZeRO-1 each rank writes its own shard."""
-        self.checkpoint_wait()  # the coordinator has one save in flight at most: this returns at once
+        if self._saving is not None:  # a save the coordinator never collected (it went back past it): let it end
+            wait([self._saving])
+            self._saving = None
         lead = self.rank <= 0
         parts: dict = {}
         weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()} if lead else None
