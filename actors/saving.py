@@ -57,7 +57,10 @@ class Saver:
         self.finish()
         level = self.level(step) or "full"
         writers = workers if sharded and level == "full" else workers[:1]
-        path = checkpoint.prepare(self.uri, step)
+        try:
+            path = checkpoint.prepare(self.uri, step)
+        except OSError as e:  # storage refuses: training goes on, the last good checkpoint stays the last
+            return self._failed(step, e)
         meta = {**meta, "level": level, "step": step}
         if level == "light":
             meta |= {"base": self.base["dir"], "base_step": self.base["step"]}

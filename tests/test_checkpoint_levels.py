@@ -37,3 +37,13 @@ def test_levels_follow_their_cadences_and_a_light_resume_says_where_its_optimize
     said = capsys.readouterr().out
     assert "resumed at step 12" in said and "light checkpoint" in said and "step-00000009" in said
     assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 17))
+
+
+def test_a_checkpoint_that_cannot_be_written_is_recorded_and_only_the_final_one_fails_the_job(make_cfg, tmp_path):
+    (tmp_path / "blocked").write_text("a file where the checkpoint directory should be")
+    cfg = make_cfg(*FAST, "run.name=blocked", "train.steps=6", "checkpoint.every=3", f"checkpoint.uri={tmp_path / 'blocked' / 'ck'}")
+    run_dir = new_run_dir(cfg)
+    with pytest.raises(JobError, match="final checkpoint could not be written"):
+        train(cfg, run_dir, progress=False)
+    assert [r["step"] for r in records(run_dir, "checkpoint_failed")] == [3, 6]
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 7))  # training went on past the failed save
