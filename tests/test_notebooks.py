@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 def execute(name: str, env: dict[str, str]) -> nbformat.NotebookNode:
     nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), f"{name} is committed with outputs"
-    env = env | {"RAY_ADDRESS": ray.get_runtime_context().gcs_address, "MPLBACKEND": "Agg"}  # the kernel inherits these
+    env = env | {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}  # the kernel inherits it
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -36,5 +36,5 @@ def images(nb: nbformat.NotebookNode) -> int:
 
 def test_hpo_notebook_searches_and_plots(data_dir):
     small = ["data.corpus_bytes=1500000", "data.shard_bytes=200000"]
-    nb = execute("03_hpo.ipynb", {"ETRAIN_NB_TRIALS": "4", "ETRAIN_NB_STEPS": "8", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": json.dumps(small)})
+    nb = execute("03_hpo.ipynb", {"ETRAIN_NB_TRIALS": "3", "ETRAIN_NB_STEPS": "8", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": json.dumps(small)})
     assert images(nb) == 3  # history, importances, learning curve
