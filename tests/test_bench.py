@@ -54,15 +54,3 @@ def test_comm_bench_runs_a_straggler_variant_and_compares(ray_session, data_dir,
     ratios = comm.compare({"static": result | {"samples_per_s": result["samples_per_s"] / 2}, "balanced": result})
     assert ratios["balanced_vs_static_throughput"] == 2.0
 
-
-def test_checkpoint_bench_compares_sync_async_light_and_resume(ray_session, data_dir, tmp_path):
-    sys.path.insert(0, str(ROOT / "bench"))
-    import checkpoint as bench
-
-    small = ["data.corpus_bytes=1500000", "data.shard_bytes=200000"]  # the session's corpus, the tiny model
-    report = bench.main(["--steps", "4", "--every", "2", "--model", *small, "--data", data_dir, "--out", str(tmp_path / "r.json")])
-    results, ratios = report["results"], report["ratios"]
-    assert results["sync"]["saves"] == results["async"]["saves"] == 2
-    assert results["resume_full"]["level"] == "full" and results["resume_light"]["level"] == "light"
-    assert 0 < ratios["light_vs_full_bytes"] < 0.25 and ratios["async_vs_sync_stall"] > 0
-    assert json.loads((tmp_path / "r.json").read_text())["ratios"] == ratios

@@ -36,5 +36,5 @@ def images(nb: nbformat.NotebookNode) -> int:
 
 def test_hpo_notebook_searches_and_plots(data_dir):
     small = ["data.corpus_bytes=1500000", "data.shard_bytes=200000"]
-    nb = execute("03_hpo.ipynb", {"ETRAIN_NB_TRIALS": "3", "ETRAIN_NB_STEPS": "8", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": json.dumps(small)})
+    nb = execute("03_hpo.ipynb", {"ETRAIN_NB_TRIALS": "2", "ETRAIN_NB_STEPS": "8", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": json.dumps(small)})
     assert images(nb) == 3  # history, importances, learning curve

@@ -51,7 +51,7 @@ def run_search(base: Config, space: dict, trials: int, out: Path, concurrency: i
                                                      callbacks=[Progress(trials, base.train.steps, progress)],
                                                      failure_config=tune.FailureConfig(max_failures=max_failures)))
     grid = tuner.fit()
-    rows = table(grid, list(space), base.train.steps)
+    rows = table(grid, list(space), base.train.steps, out / "trials")
     (out / "trials.json").write_text(json.dumps(rows, indent=1) + "\n")
     best = next((r for r in rows if r["status"] == "completed"), None)
     if best is not None:
@@ -91,6 +91,7 @@ def _trial(params: dict, base: dict, root: str) -> None:
     if not resume:
         run_dir.mkdir(parents=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        (run_dir / "params.json").write_text(json.dumps(params))  # the table's source for a trial that never reported
     reported = []
 
     def report(e: dict) -> None:
@@ -104,26 +105,30 @@ def _trial(params: dict, base: dict, root: str) -> None:
             report(evals[-1])
 
 
-def table(grid, keys: list[str], steps: int) -> list[dict]:
+def table(grid, keys: list[str], steps: int, runs: Path) -> list[dict]:
     """Every trial: id, parameters, last eval loss, steps reached, status (completed, pruned, failed); best first."""
     rows = []
     for result in grid:
         metrics = result.metrics or {}
         reached = metrics.get("step", 0)
         status = "failed" if result.error else "completed" if reached >= steps else "pruned"
-        params = {k: (result.config or {}).get(k) for k in keys}
-        rows.append({"trial": metrics.get("trial_id") or (Path(result.path).name if result.path else None),
-                     "number": _number(result.path), "params": params,
+        trial = metrics.get("trial_id") or _name_part(result.path, 2)
+        config = result.config or {}
+        if not config and (runs / str(trial) / "params.json").is_file():  # failed before its first report
+            config = json.loads((runs / str(trial) / "params.json").read_text())
+        params = {k: config.get(k) for k in keys}
+        number = _name_part(result.path, 3)
+        rows.append({"trial": trial, "number": int(number) if number and number.isdigit() else None, "params": params,
                      METRIC: metrics.get(METRIC), "steps": reached, "status": status,
                      "error": _why(result.error) if result.error else None})
     order = {"completed": 0, "pruned": 1, "failed": 2}
     return sorted(rows, key=lambda r: (order[r["status"]], r[METRIC] if r[METRIC] is not None else float("inf")))
 
 
-def _number(path: str | None) -> int | None:
-    """The trial's position in the search: Tune names its directory _trial_ID_NUMBER_params_date."""
+def _name_part(path: str | None, index: int) -> str | None:
+    """Tune names a trial's directory _trial_ID_NUMBER_params_date: 2 is the id, 3 the position in the search."""
     parts = Path(path).name.split("_") if path else []
-    return int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else None
+    return parts[index] if len(parts) > index else None
 
 
 def _why(error: BaseException) -> str:
