@@ -303,7 +303,7 @@ class TrainWorker:
         names = self._optimizer_order()
         state = self.optimizer.state_dict()["state"]
         params = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
-        return params, {names[i]: _to_cpu(st) for i, st in state.items()}
+        return params, {names[i]: _snapshot(st) for i, st in state.items()}
 
     def ps_state(self, params: dict, moments: dict, step: int) -> None:
         """Take the shards' parameters and moments, to write a checkpoint in the format every mode loads."""
@@ -344,7 +344,7 @@ class TrainWorker:
                 return None
         data = serialize({
             "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "optimizer": _snapshot(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
         })
@@ -464,14 +464,4 @@ def _snapshot(obj):
         return {k: _snapshot(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_snapshot(v) for v in obj]
-    return obj
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
     return obj

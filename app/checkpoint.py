@@ -113,15 +113,9 @@ def prepare(uri: str, step: int) -> str:
 
 
 def commit(path: str, meta: dict, files: dict[str, dict]) -> None:
-    """The commit marker, last: a single PUT on object stores, a rename on local disk."""
+    """The commit marker, written last."""
     fs, p = fsspec.core.url_to_fs(path)
-    body = json.dumps({**meta, "files": files}, indent=1).encode()
-    target = posixpath.join(p, COMMIT)
-    if _local(fs):
-        fs.pipe_file(target + ".tmp", body)
-        fs.mv(target + ".tmp", target)
-    else:
-        fs.pipe_file(target, body)
+    _put_whole(fs, posixpath.join(p, COMMIT), json.dumps({**meta, "files": files}, indent=1).encode())
 
 
 def save(uri: str, step: int, parts: dict[str, object], meta: dict, keep: int) -> str:
@@ -173,14 +167,7 @@ def retain(uri: str, keep: int) -> None:
 
 def write_cursor(uri: str, record: dict) -> None:
     fs, root = fsspec.core.url_to_fs(uri)
-    target = posixpath.join(root, CURSOR)
-    body = json.dumps(record).encode()
-    if _local(fs):
-        fs.makedirs(root, exist_ok=True)
-        fs.pipe_file(target + ".tmp", body)
-        fs.mv(target + ".tmp", target)
-    else:
-        fs.pipe_file(target, body)
+    _put_whole(fs, posixpath.join(root, CURSOR), json.dumps(record).encode())
 
 
 def read_cursor(uri: str) -> dict | None:
@@ -226,8 +213,14 @@ class CursorLog:
                 log.warning("could not write the data cursor to %s: %s", self.uri, e)
 
 
-def _local(fs) -> bool:
-    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+def _put_whole(fs, target: str, body: bytes) -> None:
+    """A file readers see whole or not at all: one PUT on object stores, a rename on local disk."""
+    if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        fs.pipe_file(target, body)
+        return
+    fs.makedirs(posixpath.dirname(target), exist_ok=True)
+    fs.pipe_file(target + ".tmp", body)
+    fs.mv(target + ".tmp", target)
 
 
 def _read_parts(fs, path: str, meta: dict) -> dict[str, bytes]:
