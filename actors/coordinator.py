@@ -21,6 +21,7 @@ import math
 import posixpath
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ from actors.pool import WarmPool
 from actors.ps_mode import PSTraining
 from actors.saving import Saver
 from app.config import Config
+from app.dashboard import Dashboard, flops_per_token
 from app.metrics import append_jsonl, truncate_after, write_json
 from app.report import summarize
 from pipelines import order
@@ -95,6 +97,12 @@ class Coordinator:
         self._attached: set = set()  # workers reading through their node's cache
         self._lock = threading.Lock()
         self._events: list[dict] = []
+        self.dashboard = Dashboard(self.run_dir.name)
+        self.peaks: dict = {}  # worker -> its measured matmul FLOP/s (MFU's denominator)
+        self.flops_per_token = 0.0
+        self._stall = 0.0  # the checkpoint stall since the last step
+        self.latest: dict[str, dict] = {}  # the last record of each kind (status shows them)
+        self._commits: deque = deque(maxlen=20)  # recent step commit times: the ETA
 
     # -- driver- and user-facing ----------------------------------------------
 
@@ -128,6 +136,7 @@ class Coordinator:
     def _train_ps(self, resume: bool) -> None:
         """Parameter-server mode (actors/ps_mode.py): no process group, no step barrier."""
         infos = self._gather([w.info.remote() for w in self.workers], "worker start", self.cfg.timeouts.join_s)
+        self._note_members(self.workers, infos)
         self._attach_caches(self.workers, [i["node"] for i in infos])
         ckpt = self._latest_checkpoint() if resume else None
         if ckpt is not None:
@@ -151,7 +160,14 @@ class Coordinator:
         """Where the run stands (the Python API and `etrain scale` show this)."""
         members = [{"rank": r, "node": self.nodes.get(w), "pid": self.pids.get(w), "speed": self.balancer.speeds.get(w)}
                    for r, w in enumerate(self.workers)]
-        return {"phase": self.phase.value, "step": self.step, "world_size": len(self.workers), "wanted": self.wanted,
+        with self._lock:
+            train, evaluated, saved = (self.latest.get(k, {}) for k in ("train", "eval", "checkpoint"))
+            eta = _eta(list(self._commits), self.cfg.train.steps - self.step)
+        return {"run": self.run_dir.name, "run_dir": str(self.run_dir), "phase": self.phase.value, "step": self.step,
+                "total_steps": self.cfg.train.steps, "eta_s": eta, "elapsed_s": time.time() - self.started_at,
+                "loss": train.get("loss"), "eval_loss": evaluated.get("eval_loss"), "tokens_per_s": train.get("tokens_per_s"),
+                "mfu": train.get("mfu"), "last_checkpoint": {k: saved[k] for k in ("step", "level", "path")} if saved else None,
+                "world_size": len(self.workers), "wanted": self.wanted,
                 "autoscaling": self.autoscaling, "warm_pool_ready": self.pool.ready(), "warm_pool_size": len(self.pool.idle),
                 "recoveries": self.recoveries, "generation": self.generation, "draining_nodes": sorted(self.draining),
                 "balanced": self.balancer.balanced, "comm": self.cfg.comm.mode,
@@ -301,14 +317,28 @@ class Coordinator:
                 "loss": sum(r["loss"] for r in results), "lr": results[0]["lr"], "grad_norm": results[0]["grad_norm"],
                 "skipped": results[0]["skipped"],
                 "tokens_per_s": tokens / elapsed, "step_time_s": elapsed, "worker_s": max(r["worker_s"] for r in results),
+                "mfu": self.mfu(tokens / elapsed),
                 "shares": [r["samples"] for r in results], "speeds": [round(r["samples"] / max(r["compute_s"], 1e-9), 2) for r in results],
                 "comm_bytes": sum(r["comm_bytes"] for r in results), "dense_bytes": sum(r["dense_bytes"] for r in results),
                 "optimizer_bytes": [r["optimizer_bytes"] for r in results],
                 **self._data_metrics([r["data"] for r in results]),
             }
+            record |= self._step_parts(results, elapsed, record["data_wait_s"])
+        self._stall = 0.0
         self._record(record)
+        self.dashboard.pool(self.pool.ready())
         self.saver.stepped({"step": self.step, "cursor": self.cursor, "batch": batch, "time": record["time"]})
         self._close_event(stepped=True)
+
+    def mfu(self, tokens_per_s: float) -> float:
+        return self.flops_per_token * tokens_per_s / sum(self.peaks[w] for w in self.workers)
+
+    def _step_parts(self, results: list[dict], elapsed: float, data_wait: float) -> dict:
+        """The step's wall time by part, as the slowest worker spent it (the others waited for it);
+        "other" is the rest: dispatch, the optimizer update, the commit. The checkpoint stall came before the step."""
+        slowest = max(results, key=lambda r: r["worker_s"])
+        parts = {"compute_s": slowest["compute_s"], "communication_s": slowest["comm_s"], "data_wait_s": data_wait}
+        return parts | {"other_s": max(0.0, elapsed - sum(parts.values())), "checkpoint_stall_s": self._stall}
 
     def _close_event(self, stepped: bool) -> None:
         """Record the pending membership change; its first_step phase only if a step followed it
@@ -418,14 +448,19 @@ class Coordinator:
         """ZeRO-1: the whole state, gathered from the current group's optimizer shards (a ref, from rank 0).
         None if a member is gone (a preempted node may be): then recovery goes back to the last checkpoint."""
         refs = [w.state.remote() for w in self.workers]
+        return refs[0] if self._gather_members(refs, "gathering the ZeRO-1 optimizer state") is not None else None
+
+    def _gather_members(self, refs: list, what: str) -> list | None:
+        """Every member's answer between steps, or None when a member is gone (spot loss can strike
+        at any moment): `self.lost` names it, and the next decision is a recovery."""
         try:
-            ray.get(refs, timeout=self.cfg.timeouts.step_s)
+            return ray.get(refs, timeout=self.cfg.timeouts.step_s)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as e:
             self._failed_since, self.lost = time.perf_counter(), self._find_lost()
             if not self.lost:
-                raise JobError(f"gathering the ZeRO-1 optimizer state failed on live workers: {e}") from None
+                raise JobError(f"{what} failed on live workers: {getattr(e, 'cause', e)}") from None
+            log.warning("%s at step %d: %d worker(s) lost; recovering", what, self.step, len(self.lost))
             return None
-        return refs[0]
 
     def _rollback(self, why: str):
         """Back to the last committed checkpoint: its parts as a ref; the cursor and records follow."""
@@ -442,8 +477,7 @@ class Coordinator:
         phases = phases if phases is not None else {}
         t = time.perf_counter()
         infos = self._gather([w.info.remote() for w in members], "worker start", self.cfg.timeouts.join_s)
-        self.nodes |= {w: i["node"] for w, i in zip(members, infos)}
-        self.pids |= {w: i["pid"] for w, i in zip(members, infos)}
+        self._note_members(members, infos)
         fresh = [(w, i["node"]) for w, i in zip(members, infos) if w not in self._attached]
         self._attach_caches([w for w, _ in fresh], [n for _, n in fresh])
         behind = [w for w, i in zip(members, infos) if i["applied"] != self.step]
@@ -467,6 +501,12 @@ class Coordinator:
         self._gather(joins, "process group formation", self.cfg.timeouts.join_s)
         phases["reform"] = time.perf_counter() - t
         self.workers = members
+
+    def _note_members(self, members: list, infos: list[dict]) -> None:
+        self.nodes |= {w: i["node"] for w, i in zip(members, infos)}
+        self.pids |= {w: i["pid"] for w, i in zip(members, infos)}
+        self.peaks |= {w: i["peak_flops"] for w, i in zip(members, infos)}
+        self.flops_per_token = flops_per_token(self.cfg.model, infos[0]["params"])
 
     def _attach_caches(self, workers: list, nodes: list[str], cursor: int | None = None, wait: bool = True) -> list:
         """One ShardCache per node that runs workers; each worker reads through its node's."""
@@ -552,15 +592,19 @@ class Coordinator:
             return
         ids = self.eval_ids
         shares = order.split(ids, [1.0] * len(self.workers)) if len(ids) >= len(self.workers) else [ids]
-        results = self._gather([w.evaluate.remote(s) for w, s in zip(self.workers, shares)], "evaluation")
+        results = self._gather_members([w.evaluate.remote(s) for w, s in zip(self.workers, shares)], "evaluation")
+        if results is None:
+            return  # this step's evaluation is lost with the worker; the next one comes after recovery
         loss = sum(r[0] for r in results) / sum(r[1] for r in results)
         self._record({"kind": "eval", "step": self.step, "eval_loss": loss, "time": time.time()})
 
     def _checkpoint(self) -> None:
         meta = {"cursor": self.cursor, "config_hash": self.cfg.hash(), "config": self.cfg.model_dump(), "world_size": len(self.workers),
                 "lr_scale": self.lr_scale, "norms": self.norms.state(), "balance": self.balancer.state(self.workers)}
-        self.saver.begin(self.step, self.workers, self._sharded(), meta, self._gather)
-        self.saved_step = self.step
+        started = time.perf_counter()
+        if self.saver.begin(self.step, self.workers, self._sharded(), meta, self._gather_members):
+            self.saved_step = self.step
+        self._stall += time.perf_counter() - started
 
     def _gather(self, refs: list, what: str, timeout: float | None = None) -> list:
         timeout = timeout or self.cfg.timeouts.step_s
@@ -573,13 +617,24 @@ class Coordinator:
 
     def _record(self, record: dict) -> None:
         append_jsonl(self.run_dir / "metrics.jsonl", record)
+        self.dashboard.publish(record)
         with self._lock:
             self._events.append(record)
+            self.latest[record["kind"]] = record
+            if record["kind"] == "train":
+                self._commits.append(time.monotonic())
 
     def _summary(self) -> dict:
         summary = summarize(self.run_dir / "metrics.jsonl", self.cfg, self.started_at, self.first_step_at)
         write_json(self.run_dir / "summary.json", summary)
         return summary
+
+
+def _eta(commits: list[float], steps_left: int) -> float | None:
+    """Seconds to the last step at the pace of the recent steps (None before two have committed)."""
+    if len(commits) < 2:
+        return None
+    return steps_left * (commits[-1] - commits[0]) / (len(commits) - 1)
 
 
 def draining_nodes() -> set[str]:

@@ -110,7 +110,8 @@ class PSTraining:
             "kind": "train", "step": coord.step, "world_size": len(coord.workers), "batch": samples, "samples": coord.cursor,
             "loss": sum(p["loss"] * p["samples"] for p in pushes) / samples, "lr": pushes[-1]["lr"],
             "grad_norm": float(np.mean([p["grad_norm"] for p in pushes])), "step_time_s": elapsed,
-            "tokens_per_s": samples * coord.cfg.model.seq_len / elapsed, "worker_s": max(p["worker_s"] for p in pushes),
+            "tokens_per_s": samples * coord.cfg.model.seq_len / elapsed, "mfu": coord.mfu(samples * coord.cfg.model.seq_len / elapsed),
+            "worker_s": max(p["worker_s"] for p in pushes),
             "shares": [p["samples"] for p in pushes], "pushes": len(pushes), "max_staleness": max(staleness),
             "mean_staleness": float(np.mean(staleness)), "version": max(p["version"] for p in pushes), "time": time.time(),
         })

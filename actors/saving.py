@@ -49,10 +49,11 @@ class Saver:
             return "light" if self.base is not None else "full"
         return None
 
-    def begin(self, step: int, workers: list, sharded: bool, meta: dict, gather: Callable[[list, str], list]) -> None:
+    def begin(self, step: int, workers: list, sharded: bool, meta: dict, gather: Callable[[list, str], list | None]) -> bool:
         """Have the writers stage and write their parts of the state at `step`: every rank its optimizer
         shard under ZeRO-1 (full saves), else rank 0 alone. The step loop waits only for the staging (and
-        for the previous save, if still in flight); synchronous saves and the last step's are waited for."""
+        for the previous save, if still in flight); synchronous saves and the last step's are waited for.
+        False if a writer was lost (`gather` gives None): the step is saved again once the group has recovered."""
         started = time.perf_counter()
         self.finish()
         level = self.level(step) or "full"
@@ -60,16 +61,20 @@ class Saver:
         try:
             path = checkpoint.prepare(self.uri, step)
         except OSError as e:  # storage refuses: training goes on, the last good checkpoint stays the last
-            return self._failed(step, e)
+            self._failed(step, e)
+            return True
         meta = {**meta, "level": level, "step": step}
         if level == "light":
             meta |= {"base": self.base["dir"], "base_step": self.base["step"]}
         background = self.cfg.checkpoint.async_save
         hashes = self.base["hashes"] if level == "light" else None
-        gather([w.checkpoint_begin.remote(path, level, hashes, background) for w in writers], "checkpoint")
+        if gather([w.checkpoint_begin.remote(path, level, hashes, background) for w in writers], "checkpoint") is None:
+            log.warning("checkpoint at step %d: a writer was lost before it staged its part; saving again after recovery", step)
+            return False
         self.saving = Save(path, meta, writers, started, time.perf_counter() - started)
         if not background or step == self.cfg.train.steps:
             self.finish()
+        return True
 
     def observe(self, results: list[dict]) -> None:
         """A step's results: once no writer is still writing, commit."""

@@ -34,6 +34,7 @@ from app.checkpoint import (
     write_part,
 )
 from app.config import Config
+from app.dashboard import matmul_peak
 from app.model import GPT
 from app.optim import make_optimizer, make_param_groups, make_scheduler
 from pipelines.order import Layout, take
@@ -68,10 +69,13 @@ class TrainWorker:
         self.applied = 0  # optimizer steps in this worker's state: which step it can resume from
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")  # one save at a time, off the step's path
         self._saving: Future | None = None
+        matmul_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
+        self.peak_flops = matmul_peak(self.device, matmul_dtype)  # what MFU is measured against
 
     def info(self) -> dict:
         node = ray.get_runtime_context().get_node_id()
-        return {"pid": os.getpid(), "node": node, "params": self.model.num_params(), "applied": self.applied}
+        return {"pid": os.getpid(), "node": node, "params": self.model.num_params(), "applied": self.applied,
+                "peak_flops": self.peak_flops}
 
     def warm_up(self) -> None:
         """One forward/backward on a dummy batch, so a pool worker's first real step runs at full
@@ -176,14 +180,16 @@ class TrainWorker:
             self.sync.step = step
         computing = time.perf_counter()
         loss_sum = self._forward_backward(self._tensor(rows), global_batch / self.world)
+        synced = time.perf_counter()
         sync = self.sync.take_stats() if self.sync else {}
-        compute_s = (sync.get("last_ready") or time.perf_counter()) - computing  # up to the last bucket: no waiting on peers
+        compute_s = (sync.get("last_ready") or synced) - computing  # up to the last bucket: no waiting on peers
         grad_norm, lr = self._update(global_batch, lr_scale, max_norm)
         finite = math.isfinite(grad_norm) or self.scaler.is_enabled()  # fp16: the scaler skips overflowing steps itself
         if finite:
             self.applied = step + 1
         return {"finite": finite, "skipped": math.isfinite(grad_norm) and grad_norm > max_norm, "loss": loss_sum,
-                "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": compute_s, "worker_s": time.perf_counter() - started, "comm_bytes": sync.get("comm_bytes", 0),
+                "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": compute_s, "comm_s": synced - computing - compute_s,
+                "worker_s": time.perf_counter() - started, "comm_bytes": sync.get("comm_bytes", 0),
                 "dense_bytes": sync.get("dense_bytes", 0), "optimizer_bytes": self.optimizer_bytes(), "data": data,
                 "saving": self._saving is not None and not self._saving.done()}
 

@@ -16,9 +16,18 @@ from app.config import ConfigError
 NAMESPACE = "etrain"
 
 
+def _connect() -> None:
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS", "auto")
+    try:
+        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
+    except ConnectionError as e:
+        raise ConfigError(f"no Ray cluster at {address!r} ({e}); run this where the job runs, or set RAY_ADDRESS to its head") from None
+
+
 def coordinator(run: str):
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), namespace=NAMESPACE, logging_level=logging.WARNING)
+    _connect()
     name = f"etrain:{Path(run).name}"
     try:
         return ray.get_actor(name)
@@ -26,8 +35,18 @@ def coordinator(run: str):
         raise ConfigError(f"no running job {name!r} on this Ray cluster; is `etrain train` still running for {run}?") from None
 
 
+def runs() -> list[str]:
+    """Names of the jobs running on this Ray cluster."""
+    _connect()
+    named = ray.util.list_named_actors(all_namespaces=True)
+    return sorted(a["name"].split(":", 1)[1] for a in named if a["namespace"] == NAMESPACE and a["name"].startswith("etrain:"))
+
+
 def status(run: str) -> dict:
-    return ray.get(coordinator(run).status.remote())
+    try:
+        return ray.get(coordinator(run).status.remote())
+    except ray.exceptions.RayActorError:
+        raise ConfigError(f"the job {Path(run).name!r} ended while being asked for its status") from None
 
 
 def scale(run: str, workers: int) -> dict:

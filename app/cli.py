@@ -77,6 +77,79 @@ def cmd_scale(args, started_at: float) -> int:
     return 0
 
 
+def cmd_status(args, started_at: float) -> int:
+    from app import api
+
+    if args.every <= 0:
+        raise ConfigError(f"--every must be positive, got {args.every}")
+    if args.run is None:
+        names = api.runs()
+        print("\n".join(_status_line(api.status(n)) for n in names) if names else "no etrain job is running on this Ray cluster")
+        return 0
+    live, shown = not args.once and not args.json, False
+    clear = "\033[H\033[J" if live and sys.stdout.isatty() else ""
+    while True:
+        try:
+            st = api.status(args.run)
+        except ConfigError:
+            if not shown:
+                raise
+            print(f"{args.run}: the job has ended (its coordinator is gone); its records are in {Path(args.run) / 'metrics.jsonl'}")
+            return 0
+        print(clear + (json.dumps(st, indent=1) if args.json else _status_text(st)), flush=True)
+        if not live:
+            return 0
+        shown = True
+        time.sleep(args.every)
+
+
+def _status_line(st: dict) -> str:
+    loss = f"{st['loss']:.3f}" if st["loss"] is not None else "-"
+    return (f"{st['run']}: {st['phase']} step {st['step']}/{st['total_steps']} loss {loss} "
+            f"workers {st['world_size']} ETA {_duration(st['eta_s'])}")
+
+
+def _status_text(st: dict) -> str:
+    """What `etrain status RUN` shows: progress, model, throughput, membership, last checkpoint, members."""
+    def num(value, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    done = st["step"] / st["total_steps"]
+    ckpt = st["last_checkpoint"]
+    lines = [
+        f"run {st['run']}  ({st['run_dir']})",
+        f"  {st['phase']:<13} step {st['step']}/{st['total_steps']} ({done:.0%})  elapsed {_duration(st['elapsed_s'])}  ETA {_duration(st['eta_s'])}",
+        f"  loss {num(st['loss'], '.4f')}  eval loss {num(st['eval_loss'], '.4f')}  tokens/s {num(st['tokens_per_s'], ',.0f')}  MFU {num(st['mfu'], '.1%')}",
+        f"  workers {st['world_size']} (wanted {st['wanted']}{', autoscaling' if st['autoscaling'] else ''})  warm pool {st['warm_pool_ready']} ready"
+        f"  recoveries {st['recoveries']}  group generation {st['generation']}  sync {st['comm']}",
+        "  last checkpoint: " + (f"step {ckpt['step']} ({ckpt['level']}) {ckpt['path']}" if ckpt else "none yet"),
+    ]
+    if st["draining_nodes"]:
+        lines.append(f"  draining nodes (preemption notice): {', '.join(n[:8] for n in st['draining_nodes'])}")
+    for m in st["members"]:
+        speed = f"{m['speed']:.1f} samples/s" if m["speed"] else "speed not measured yet"
+        lines.append(f"    rank {m['rank']}: node {(m['node'] or '?')[:8]} pid {m['pid']}  {speed}")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+
+
+def cmd_report(args, started_at: float) -> int:
+    from app.report import write_report
+
+    report = write_report(Path(args.run), Path(args.out) if args.out else None)
+    print(json.dumps(report["summary"], indent=1))
+    print(f"report: {report['html']}", file=sys.stderr)
+    for name, path in report["plots"].items():
+        print(f"{name}: {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_spot_watch(args, started_at: float) -> int:
     from app.spot import watch
 
@@ -166,6 +239,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="the run directory (or its name)")
     p.add_argument("--workers", type=int, required=True, help="workers wanted")
     p.set_defaults(func=cmd_scale)
+
+    p = sub.add_parser("status", help="a live view of a running job (or, without RUN, the jobs running on this cluster)")
+    p.add_argument("run", nargs="?", help="the run directory (or its name)")
+    p.add_argument("--once", action="store_true", help="print the view once and exit")
+    p.add_argument("--json", action="store_true", help="print the status as JSON once (for scripts)")
+    p.add_argument("--every", type=float, default=2.0, help="seconds between refreshes of the live view")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("report", help="plots of a run (loss, throughput with scale events, data wait, world size, grad norms): PNG + HTML")
+    p.add_argument("run", help="the run directory")
+    p.add_argument("--out", help="where to write the plots (default RUN/report)")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("spot-watch", help="on a spot worker node: turn the interruption notice into a Ray drain (cluster.yaml runs it)")
     p.add_argument("--imds", default="http://169.254.169.254", help="instance metadata endpoint")

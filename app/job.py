@@ -121,6 +121,7 @@ def _beside_driver():
 
 def _follow(coordinator, done, cfg: Config, progress: bool, on_eval: Callable[[dict], None] | None = None) -> None:
     # In a terminal the bar redraws in place; in a job log (ray job submit) a line every 30 s is enough.
+    # Events go to stderr with the bar: stdout carries only the summary (scripts parse it).
     interactive = sys.stderr.isatty()
     bar = tqdm(total=cfg.train.steps, unit="step", desc="starting", disable=not progress, dynamic_ncols=True, mininterval=0.1 if interactive else 30)
     with bar:
@@ -131,16 +132,17 @@ def _follow(coordinator, done, cfg: Config, progress: bool, on_eval: Callable[[d
             for e in events:
                 if e["kind"] == "resume":
                     bar.n = e["step"]
-                    bar.write(_resumed(e))
+                    bar.write(_resumed(e), file=sys.stderr)
                 elif e["kind"] == "train" and e.get("loss") is not None:
                     bar.update(e["step"] - bar.n)
                     bar.set_postfix(loss=f"{e['loss']:.3f}", tok_s=f"{e['tokens_per_s']:.0f}", world=e["world_size"])
                 elif e["kind"] == "eval":
-                    bar.write(f"step {e['step']}: eval loss {e['eval_loss']:.4f}")
+                    bar.write(f"step {e['step']}: eval loss {e['eval_loss']:.4f}", file=sys.stderr)
                     if on_eval is not None:
                         on_eval(e)
                 elif e["kind"] == "membership":
                     phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in e["phases"].items())
-                    bar.write(f"step {e['step']}: {e['reason']} {e['world_before']} -> {e['world_after']} workers in {e['total_s']:.2f} s ({phases})")
+                    bar.write(f"step {e['step']}: {e['reason']} {e['world_before']} -> {e['world_after']} workers in {e['total_s']:.2f} s ({phases})",
+                              file=sys.stderr)
             if finished:
                 return

@@ -16,9 +16,7 @@ def s3_server():
     """moto's S3 on 127.0.0.1, set in the environment before Ray starts so every actor reaches it."""
     from moto.server import ThreadedMotoServer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     env = {
@@ -45,14 +43,23 @@ def s3_bucket(s3_server, request) -> str:
     return f"s3://{name}"
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
-def ray_session(s3_server):
+def ray_session(s3_server) -> int | None:
+    """The session's Ray; yields the port of its Prometheus endpoint (what `ray start --metrics-export-port` sets)."""
     if ray.is_initialized():
-        yield
+        yield None
         return
+    port = free_port()
     # 4 logical CPUs on 2 cores: room for 3 workers; a test never shares a core budget with another suite.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")  # never a stray cluster
-    yield
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning",  # never a stray cluster
+             _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 1000})
+    yield port
     ray.shutdown()
 
 

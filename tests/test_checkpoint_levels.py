@@ -34,7 +34,7 @@ def test_levels_follow_their_cadences_and_a_light_resume_says_where_its_optimize
     assert summary["steps"] == 16
     event = records(run_dir, "resume")[0]
     assert (event["step"], event["level"]) == (12, "light") and event["base"].endswith("step-00000009")
-    said = capsys.readouterr().out
+    said = capsys.readouterr().err
     assert "resumed at step 12" in said and "light checkpoint" in said and "step-00000009" in said
     assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 17))
 
