@@ -7,6 +7,7 @@ such workers warm in a pool (actors/pool.py) and re-forms groups of live ones.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import re
@@ -179,11 +180,15 @@ class TrainWorker:
         if self.sync:
             self.sync.step = step
         computing = time.perf_counter()
-        loss_sum = self._forward_backward(self._tensor(rows), global_batch / self.world)
-        synced = time.perf_counter()
+        try:
+            loss_sum = self._forward_backward(self._tensor(rows), global_batch / self.world)
+            synced = time.perf_counter()
+            grad_norm, lr = self._update(global_batch, lr_scale, max_norm)
+        except Exception:
+            self._abort_group()
+            raise
         sync = self.sync.take_stats() if self.sync else {}
         compute_s = (sync.get("last_ready") or synced) - computing  # up to the last bucket: no waiting on peers
-        grad_norm, lr = self._update(global_batch, lr_scale, max_norm)
         finite = math.isfinite(grad_norm) or self.scaler.is_enabled()  # fp16: the scaler skips overflowing steps itself
         if finite:
             self.applied = step + 1
@@ -419,6 +424,15 @@ class TrainWorker:
     def flat_grad(self) -> torch.Tensor:
         """The synchronised gradient of the last step (for the gradient-equality check)."""
         return torch.cat([p.grad.detach().flatten().cpu() for p in self.model.parameters()])
+
+    def _abort_group(self) -> None:
+        """Close this rank's connections after a failed collective. Of a dead rank's peers, only the
+        ones connected to it fail at once; the others would wait out timeouts.collective_s for data
+        that never comes (and be taken for hung). Closing here makes them fail at once too."""
+        self.ddp = None  # it holds the group
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
 
     def leave(self) -> None:
         """Leave the group. A ZeRO-1 shard is useless without its group: the optimizer state is

@@ -34,7 +34,19 @@ def images(nb: nbformat.NotebookNode) -> int:
     return sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
 
 
+SMALL = json.dumps(["data.corpus_bytes=1500000", "data.shard_bytes=200000"])  # the session's corpus
+
+
+def test_quickstart_notebook_trains_and_plots(data_dir):
+    nb = execute("01_quickstart.ipynb", {"ETRAIN_NB_STEPS": "30", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL})
+    assert images(nb) == 2  # the loss, the report's step-time plot
+
+
+def test_elastic_notebook_scales_out_loses_a_worker_scales_in_and_plots(data_dir):
+    nb = execute("02_elastic.ipynb", {"ETRAIN_NB_STEPS": "90", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL})
+    assert images(nb) == 1  # throughput and world size; the notebook asserts the changes and the sample count itself
+
+
 def test_hpo_notebook_searches_and_plots(data_dir):
-    small = ["data.corpus_bytes=1500000", "data.shard_bytes=200000"]
-    nb = execute("03_hpo.ipynb", {"ETRAIN_NB_TRIALS": "2", "ETRAIN_NB_STEPS": "8", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": json.dumps(small)})
+    nb = execute("03_hpo.ipynb", {"ETRAIN_NB_TRIALS": "2", "ETRAIN_NB_STEPS": "8", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL})
     assert images(nb) == 3  # history, importances, learning curve
