@@ -79,8 +79,8 @@ def light_weights(weights: dict, hashes: dict[str, str], base_hashes: dict[str, 
 class _Hashing(io.RawIOBase):
     """Streams `torch.save` output to storage while hashing it: one pass, no second copy in memory."""
 
-    def __init__(self, out):
-        self.out, self.sha, self.size = out, hashlib.sha256(), 0
+    def __init__(self, out, progress=None):
+        self.out, self.sha, self.size, self.progress = out, hashlib.sha256(), 0, progress
 
     def writable(self) -> bool:
         return True
@@ -89,17 +89,36 @@ class _Hashing(io.RawIOBase):
         self.sha.update(b)
         self.size += len(b)
         self.out.write(b)
+        if self.progress is not None:
+            self.progress.update(len(b))
         return len(b)
 
 
 def write_part(path: str, name: str, obj) -> dict:
     """One part of a checkpoint at `path` (a step directory URI); its size and sha256 for the commit."""
     import torch
+    from tqdm import tqdm
 
-    with fsspec.open(posixpath.join(path, name), "wb") as f:
-        out = _Hashing(f)
+    # A bar only for a write that takes more than a few seconds (a large model, slow object storage).
+    with (tqdm(desc=f"writing {posixpath.basename(path.rstrip('/'))}/{name}", unit="B", unit_scale=True, delay=5, mininterval=5,
+               total=_tensor_bytes(obj) or None, leave=False) as bar,
+          fsspec.open(posixpath.join(path, name), "wb") as f):
+        out = _Hashing(f, bar)
         torch.save(obj, out)
     return {"bytes": out.size, "sha256": out.sha.hexdigest()}
+
+
+def _tensor_bytes(obj) -> int:
+    """The tensors' share of a part's size: the bar's total (a fair estimate; torch.save adds little)."""
+    import torch
+
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 def prepare(uri: str, step: int) -> str:

@@ -55,7 +55,7 @@ def cmd_prepare(args, started_at: float) -> int:
     cfg = load_config(args.config, [*sugar, *args.set])
     storage = dict(_parse_option(o) for o in args.storage_option)
     connect(cfg)
-    report = prepare(args.src, args.out, cfg, overwrite=args.overwrite, storage=storage)
+    report = prepare(args.src, args.out, cfg, overwrite=args.overwrite, storage=storage, progress=not args.no_progress)
     print(json.dumps(report, indent=1))
     out = args.out.rstrip("/")
     print(f"manifest: {out}/manifest.json\nreport: {out}/report.json\nquarantine: {out}/quarantine.jsonl", file=sys.stderr)
@@ -233,6 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--column", help="Parquet column holding the text (prepare.parquet_column, default 'text')")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="fsspec option for s3:// (endpoint_url, key, secret ...); never logged")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("scale", help="resize a running job at its next step boundary")

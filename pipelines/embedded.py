@@ -22,6 +22,7 @@ from pathlib import Path
 
 import fsspec
 import numpy as np
+from tqdm import tqdm
 
 from app.config import Config
 from pipelines import tokenizer
@@ -83,6 +84,7 @@ def build(out: Path, params: dict) -> dict:
     names: dict[str, list[str]] = {"train": [], "eval": []}
     root = Path(sysconfig.get_paths()["stdlib"])
     total = 0
+    bar = tqdm(desc="building the embedded corpus", total=params["corpus_bytes"], unit="B", unit_scale=True, delay=2)
     for path in stdlib_files():
         if total >= params["corpus_bytes"]:
             break
@@ -95,6 +97,8 @@ def build(out: Path, params: dict) -> dict:
         streams[split].append(np.append(tokens, np.uint8(tokenizer.EOT)))
         names[split].append(f"stdlib/{path.relative_to(root)}#0")
         total += len(tokens)
+        bar.update(len(tokens))
+    bar.close()
     for split, docs in streams.items():
         writers[split].add(*pack_rows(docs, names[split], row_len))
         writers[split].flush()

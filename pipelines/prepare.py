@@ -16,6 +16,7 @@ import hashlib
 import json
 import posixpath
 import shutil
+import sys
 import uuid
 from collections import Counter
 from functools import partial
@@ -26,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
+from tqdm import tqdm
 
 from app.config import Config, ConfigError, PrepareConfig
 from pipelines import dedup, quality, tokenizer
@@ -34,7 +36,12 @@ from pipelines.shards import SplitWriter, pack_rows, write_manifest
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
-def prepare(srcs: list[str], out: str, cfg: Config, overwrite: bool = False, storage: dict | None = None) -> dict:
+STAGES = ("reading, normalising, filtering", "exact duplicates", "near duplicates (MinHash)", "tokenising, packing, writing shards",
+          "manifest and report")
+
+
+def prepare(srcs: list[str], out: str, cfg: Config, overwrite: bool = False, storage: dict | None = None, progress: bool = True) -> dict:
+    """Each stage is a Ray Data run with its own per-operator progress; the stage bar says which of them is running."""
     storage = storage or {}
     fs, root = fsspec.core.url_to_fs(out, **storage)
     if fs.exists(root) and fs.ls(root):
@@ -43,21 +50,35 @@ def prepare(srcs: list[str], out: str, cfg: Config, overwrite: bool = False, sto
         if "://" in out:
             fs.rm(root, recursive=True)  # object storage is written in place: clear it first
     files, missing = expand(srcs, storage)
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = progress
     # Ray 2.60's default shuffle (SHUFFLE_V2) fails on the empty blocks a filter leaves ("No match for FieldRef").
-    ray.data.DataContext.get_current().shuffle_strategy = ray.data.context.ShuffleStrategy.HASH_SHUFFLE
-    docs = ray.data.from_items(files).flat_map(partial(read_documents, cfg=cfg.prepare, storage=storage))
-    docs = docs.map(partial(inspect, cfg=cfg)).materialize()
-    parts = _partitions(docs.count())
-    kept = docs.filter(lambda r: r["reason"] is None)
-    exact = _exact_duplicates(kept, parts)
-    unique = kept.filter(lambda r: r["doc_id"] not in exact)
-    near = _near_duplicates(unique, cfg.prepare, parts)
-    final = unique.filter(lambda r: r["doc_id"] not in near)
-    duplicates = {d: ("duplicate_exact", of) for d, of in exact.items()} | {d: ("duplicate_near", of) for d, of in near.items()}
-    rejected = _quarantine(docs, duplicates) + [{"doc_id": -1, "path": p, "row": 0, "reason": "unreadable", "detail": why} for p, why in missing]
-    staging = _staging(out, fs, root)
-    packed = final.map(partial(assign, cfg=cfg)).groupby("group", num_partitions=parts).map_groups(partial(pack, out=staging, cfg=cfg, storage=storage), batch_format="pandas").take_all()
-    return _finish(out, staging, fs, root, cfg, packed, rejected, read=docs.count() + len(missing), storage=storage)
+    context.shuffle_strategy = ray.data.context.ShuffleStrategy.HASH_SHUFFLE
+    with tqdm(total=len(STAGES), unit="stage", desc=f"prepare: {STAGES[0]}", disable=not progress, file=sys.stderr) as stages:
+        def next_stage(index: int, **counts) -> None:
+            stages.set_description(f"prepare: {STAGES[index]}", refresh=False)
+            stages.set_postfix(counts, refresh=False)
+            stages.update()
+
+        docs = ray.data.from_items(files).flat_map(partial(read_documents, cfg=cfg.prepare, storage=storage))
+        docs = docs.map(partial(inspect, cfg=cfg)).materialize()
+        parts = _partitions(docs.count())
+        kept = docs.filter(lambda r: r["reason"] is None)
+        next_stage(1, documents=docs.count())
+        exact = _exact_duplicates(kept, parts)
+        unique = kept.filter(lambda r: r["doc_id"] not in exact)
+        next_stage(2, exact_duplicates=len(exact))
+        near = _near_duplicates(unique, cfg.prepare, parts)
+        final = unique.filter(lambda r: r["doc_id"] not in near)
+        duplicates = {d: ("duplicate_exact", of) for d, of in exact.items()} | {d: ("duplicate_near", of) for d, of in near.items()}
+        rejected = _quarantine(docs, duplicates) + [{"doc_id": -1, "path": p, "row": 0, "reason": "unreadable", "detail": why} for p, why in missing]
+        next_stage(3, rejected=len(rejected))
+        staging = _staging(out, fs, root)
+        packed = final.map(partial(assign, cfg=cfg)).groupby("group", num_partitions=parts).map_groups(partial(pack, out=staging, cfg=cfg, storage=storage), batch_format="pandas").take_all()
+        next_stage(4, shards=sum(len(json.loads(r["entries"])) for r in packed))
+        report = _finish(out, staging, fs, root, cfg, packed, rejected, read=docs.count() + len(missing), storage=storage)
+        stages.update()
+    return report
 
 
 # -- reading -------------------------------------------------------------------
