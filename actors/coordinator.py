@@ -56,6 +56,14 @@ class StepFailed(Exception):
         self.lost, self.committed, self.since = lost, committed, since
 
 
+class MembersLost(Exception):
+    """Members died while the group was being changed (a spot node can go at any moment)."""
+
+    def __init__(self, lost: list):
+        super().__init__(f"{len(lost)} worker(s) lost")
+        self.lost = lost
+
+
 class Coordinator:
     def __init__(self, cfg_dict: dict, run_dir: str, manifest: str, started_at: float, workers: list):
         self.cfg = Config.model_validate(cfg_dict)
@@ -112,7 +120,10 @@ class Coordinator:
                 self._train_ps(resume)
                 self.saver.finish()
                 return self._summary()
-            self._form(self.workers, reason="start")
+            try:
+                self._form(self.workers, reason="start")
+            except MembersLost as gone:
+                raise JobError(f"{gone} while the group first formed; start the job again") from None
             if resume:
                 self._restore()
             self.saved_step = self.step
@@ -377,8 +388,8 @@ class Coordinator:
         survivors_done = all(ref in results for w, ref in zip(self.workers, refs) if w not in lost)
         raise StepFailed(lost, committed=survivors_done, since=started)
 
-    def _find_lost(self) -> list:
-        pings = {w: w.info.remote() for w in self.workers}
+    def _find_lost(self, among: list | None = None) -> list:
+        pings = {w: w.info.remote() for w in (self.workers if among is None else among)}
         lost = []
         for worker, ref in pings.items():
             try:
@@ -419,7 +430,10 @@ class Coordinator:
         keep, leaving = staying[:target], staying[target:]
         for w in evicted:  # its node is going away: no clean exit needed, and it may be gone already
             ray.kill(w)
-        self._gather([w.leave.remote() for w in leaving], "group exit")
+        try:
+            self._gather_form([w.leave.remote() for w in leaving], "group exit", leaving)
+        except MembersLost as gone:  # a leaver that died is simply not given back
+            leaving = [w for w in leaving if w not in gone.lost]
         self.pool.give_back(leaving)
         reason = "preemption" if evicted else "scale-in" if target < len(self.workers) else "scale-out"
         self._change(keep, target - len(keep), reason=reason, started=started, lost=len(evicted), whole=whole)
@@ -437,7 +451,12 @@ class Coordinator:
         if not members + joiners:
             raise JobError(f"no worker left and none ready in the warm pool; resume with `etrain train --resume {self.run_dir}`")
         self.balancer.forget(members + joiners)
-        self._form(members + joiners, reason=reason, phases=phases, whole=whole)
+        try:
+            self._form(members + joiners, reason=reason, phases=phases, whole=whole)
+        except MembersLost as gone:  # the next decision is a recovery, with the members still alive
+            self.workers, self.lost, self._failed_since = members + joiners, gone.lost, time.perf_counter()
+            log.warning("%d worker(s) lost during a %s at step %d; recovering", len(gone.lost), reason, self.step)
+            return
         self._refill()
         self._pending_event = {**event, "phases": phases, "_started": started}
 
@@ -476,7 +495,7 @@ class Coordinator:
         a state every member loads after leaving the old group: ZeRO-1 re-shards it), new generation."""
         phases = phases if phases is not None else {}
         t = time.perf_counter()
-        infos = self._gather([w.info.remote() for w in members], "worker start", self.cfg.timeouts.join_s)
+        infos = self._gather_form([w.info.remote() for w in members], "worker start", members)
         self._note_members(members, infos)
         fresh = [(w, i["node"]) for w, i in zip(members, infos) if w not in self._attached]
         self._attach_caches([w for w, _ in fresh], [n for _, n in fresh])
@@ -486,19 +505,19 @@ class Coordinator:
             if source is None:
                 raise JobError(f"no live worker holds step {self.step}; resume from the last checkpoint with `etrain train --resume {self.run_dir}`")
             state = source.state.remote()  # passed by reference: the object store carries it peer to peer
-            self._gather([w.load_state.remote(state, self.step) for w in behind], "state migration", self.cfg.timeouts.join_s)
+            self._gather_form([w.load_state.remote(state, self.step) for w in behind], "state migration", members)
         phases["migrate"] = time.perf_counter() - t
         t = time.perf_counter()
-        self._gather([w.leave.remote() for w in members], "group exit", self.cfg.timeouts.join_s)
+        self._gather_form([w.leave.remote() for w in members], "group exit", members)
         if whole is not None:
             loaded = time.perf_counter()
-            self._gather([w.load_state.remote(whole, self.step) for w in members], "state migration", self.cfg.timeouts.join_s)
+            self._gather_form([w.load_state.remote(whole, self.step) for w in members], "state migration", members)
             phases["migrate"] += time.perf_counter() - loaded
             t += time.perf_counter() - loaded
         self.generation += 1
-        host, port = self._gather([members[0].host_store.remote()], "store start")[0]
+        host, port = self._gather_form([members[0].host_store.remote()], "store start", members)[0]
         joins = [w.join.remote(rank, len(members), host, port, self.generation) for rank, w in enumerate(members)]
-        self._gather(joins, "process group formation", self.cfg.timeouts.join_s)
+        self._gather_form(joins, "process group formation", members)
         phases["reform"] = time.perf_counter() - t
         self.workers = members
 
@@ -507,6 +526,21 @@ class Coordinator:
         self.pids |= {w: i["pid"] for w, i in zip(members, infos)}
         self.peaks |= {w: i["peak_flops"] for w, i in zip(members, infos)}
         self.flops_per_token = flops_per_token(self.cfg.model, infos[0]["params"])
+
+    def _gather_form(self, refs: list, what: str, members: list) -> list:
+        """A phase of a group change on every member, or MembersLost naming the ones that died.
+        (A member dead during "process group formation" is found only once the others' rendezvous
+        times out, at timeouts.join_s; they are then taken for hung too.)"""
+        try:
+            return ray.get(refs, timeout=self.cfg.timeouts.join_s)
+        except ray.exceptions.GetTimeoutError:
+            raise JobError(f"{what} did not finish within {self.cfg.timeouts.join_s:.0f} s (timeouts.join_s); a worker is hung "
+                           f"or the cluster lacks resources") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            lost = self._find_lost(members)
+            if not lost:
+                raise JobError(f"{what} failed on live workers: {getattr(e, 'cause', e)}") from None
+            raise MembersLost(lost) from None
 
     def _attach_caches(self, workers: list, nodes: list[str], cursor: int | None = None, wait: bool = True) -> list:
         """One ShardCache per node that runs workers; each worker reads through its node's."""

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from runs import FAST, records, run, run_scaled
 
+from app import api
 from app.cli import main
 from app.job import new_run_dir, train
 from app.optim import lr_factor
@@ -69,6 +74,30 @@ def test_scale_out_and_in_while_training_keeps_learning(make_cfg, reference):
     # Constant global batch: a different world size changes float reduction order only.
     expected = {r["step"]: r["loss"] for r in records(reference, "train")}
     assert all(abs(r["loss"] - expected[r["step"]]) < 1e-3 for r in steps if r.get("loss") is not None)
+
+
+def test_a_worker_lost_as_a_scale_out_begins_is_recovered(make_cfg):
+    """The kill lands in the last step before the change or inside it (state copy, group exit,
+    re-form: `1 worker(s) lost during a scale-out` in the log). Either way the job recovers with
+    the other members and trains every step once."""
+    cfg = make_cfg(*FAST, "run.name=race", "train.steps=60")
+    run_dir = new_run_dir(cfg)
+
+    def drive():
+        while not records(run_dir, "train") or api.status(str(run_dir))["warm_pool_ready"] < 1:
+            time.sleep(0.1)
+        victim = api.status(str(run_dir))["members"][1]["pid"]
+        api.scale(str(run_dir), 3)
+        time.sleep(0.05)
+        os.kill(victim, signal.SIGKILL)
+
+    thread = threading.Thread(target=drive, daemon=True)
+    thread.start()
+    train(cfg, run_dir, progress=False)
+    thread.join(timeout=5)
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 61))
+    recovered = [c for c in records(run_dir, "membership") if c["reason"] == "recover"]
+    assert [c["lost"] for c in recovered] == [1]
 
 
 def test_scale_names_what_is_wrong(make_cfg, capsys):
