@@ -22,20 +22,27 @@ def flops_per_token(model: ModelConfig, params: int) -> float:
     return 6 * params + 12 * model.n_layer * model.d_model * model.seq_len
 
 
-def matmul_peak(device, dtype, size: int = 1024, seconds: float = 0.2) -> float:
+def matmul_peak(device, dtype, seconds: float = 0.05) -> float:
     """FLOP/s of a square matmul on this worker's device: the ceiling MFU is measured against.
-    Measured rather than looked up, so it is right for CPUs and GPU SKUs alike."""
+    Measured rather than looked up, so it is right for CPUs and GPU SKUs alike; a GPU needs a
+    large matmul to reach its peak."""
     import torch
 
+    size = 8192 if device.type == "cuda" else 512
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     a @ b  # first call: kernel selection, allocation
+    sync()
     reps, started = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - started) < seconds or reps < 3:
         a @ b
+        sync()
         reps += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize()
     return 2 * size**3 * reps / elapsed
 
 

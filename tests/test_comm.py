@@ -129,5 +129,7 @@ def test_parameter_server_mode_bounds_staleness_and_resumes(make_cfg):
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, 29))
     assert [r["step"] for r in records(run_dir, "resume")] == [20, 24]
-    assert steps[-1]["samples"] == 28 * 16 and steps[-1]["loss"] < steps[20]["loss"]
+    assert steps[-1]["samples"] == 28 * 16
+    # Went on from the trained weights, not from scratch (single-step losses 8 steps apart are too noisy to compare).
+    assert max(r["loss"] for r in steps[20:]) < 0.8 * steps[0]["loss"]
     assert steps[24]["lr"] == pytest.approx(cfg.optim.lr * lr_factor(24, cfg.optim, 28))  # the schedule went on
