@@ -381,14 +381,14 @@ class Coordinator:
                     failed = failed or e
         if not failed and not pending:
             return [results[r] for r in refs]
-        lost = self._find_lost()
-        if not lost:
-            why = getattr(failed, "cause", failed) if failed else f"no result within timeouts.step_s={self.cfg.timeouts.step_s}"
-            raise JobError(f"step {self.step + 1} failed on live workers: {why}")
+        why = getattr(failed, "cause", failed) if failed else f"no result within timeouts.step_s={self.cfg.timeouts.step_s}"
+        lost = self._find_lost(f"step {self.step + 1}", why)
         survivors_done = all(ref in results for w, ref in zip(self.workers, refs) if w not in lost)
         raise StepFailed(lost, committed=survivors_done, since=started)
 
-    def _find_lost(self, among: list | None = None) -> list:
+    def _find_lost(self, what: str, why, among: list | None = None) -> list:
+        """The members (default: the group) that are dead or hung. None of them means `what` failed
+        on live workers, which no replacement would mend: a JobError saying `why`."""
         pings = {w: w.info.remote() for w in (self.workers if among is None else among)}
         lost = []
         for worker, ref in pings.items():
@@ -397,6 +397,8 @@ class Coordinator:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 ray.kill(worker)  # a hung one would block the next group too
                 lost.append(worker)
+        if not lost:
+            raise JobError(f"{what} failed on live workers: {why}")
         return lost
 
     def _faults_for(self, step: int) -> dict[int, dict]:
@@ -475,9 +477,7 @@ class Coordinator:
         try:
             return ray.get(refs, timeout=self.cfg.timeouts.step_s)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as e:
-            self._failed_since, self.lost = time.perf_counter(), self._find_lost()
-            if not self.lost:
-                raise JobError(f"{what} failed on live workers: {getattr(e, 'cause', e)}") from None
+            self._failed_since, self.lost = time.perf_counter(), self._find_lost(what, getattr(e, "cause", e))
             log.warning("%s at step %d: %d worker(s) lost; recovering", what, self.step, len(self.lost))
             return None
 
@@ -537,10 +537,7 @@ class Coordinator:
             raise JobError(f"{what} did not finish within {self.cfg.timeouts.join_s:.0f} s (timeouts.join_s); a worker is hung "
                            f"or the cluster lacks resources") from None
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-            lost = self._find_lost(members)
-            if not lost:
-                raise JobError(f"{what} failed on live workers: {getattr(e, 'cause', e)}") from None
-            raise MembersLost(lost) from None
+            raise MembersLost(self._find_lost(what, getattr(e, "cause", e), members)) from None
 
     def _attach_caches(self, workers: list, nodes: list[str], cursor: int | None = None, wait: bool = True) -> list:
         """One ShardCache per node that runs workers; each worker reads through its node's."""

@@ -133,10 +133,9 @@ def _status_text(st: dict) -> str:
 
 
 def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+    from tqdm import tqdm
+
+    return "-" if seconds is None else tqdm.format_interval(seconds)
 
 
 def cmd_report(args, started_at: float) -> int:

@@ -94,8 +94,9 @@ class Dashboard:
             self._set("checkpoint_stall_seconds", record.get("stall_s"))
 
     def _train(self, r: dict) -> None:
-        for name in ("step", "loss", "tokens_per_s", "mfu", "grad_norm", "world_size"):
-            self._set("tokens_per_second" if name == "tokens_per_s" else name, r.get(name))
+        for gauge, field in (("step", "step"), ("loss", "loss"), ("tokens_per_second", "tokens_per_s"), ("mfu", "mfu"),
+                             ("grad_norm", "grad_norm"), ("world_size", "world_size")):
+            self._set(gauge, r.get(field))
         if r.get("grad_norm") is not None and r["grad_norm"] == r["grad_norm"]:  # NaN has no bucket
             self.grad_norms.observe(r["grad_norm"], tags=self.tags)
         if "compute_s" in r:  # a step with every member's result (not parameter-server mode)
