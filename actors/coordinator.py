@@ -29,13 +29,15 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.balance import Balancer
-from actors.control import JobError, Observation, State, autoscale, next_state
+from actors.control import JobError, Observation, State, autoscale, next_state, why
 from actors.guards import NormWatch
 from actors.pool import WarmPool
 from actors.ps_mode import PSTraining
 from actors.saving import Saver
+from app.checkpoint import checkpoint_uri
 from app.config import Config
 from app.dashboard import Dashboard, flops_per_token
+from app.lease import Keeper, Lease
 from app.metrics import append_jsonl, truncate_after, write_json
 from app.report import summarize
 from pipelines import order
@@ -65,11 +67,11 @@ class MembersLost(Exception):
 
 
 class Coordinator:
-    def __init__(self, cfg_dict: dict, run_dir: str, manifest: str, started_at: float, workers: list):
+    def __init__(self, cfg_dict: dict, run_dir: str, manifest: str, started_at: float, workers: list, lease: Lease):
         self.cfg = Config.model_validate(cfg_dict)
         self.run_dir = Path(run_dir)
         self.started_at = started_at
-        self.ckpt_uri = self.cfg.checkpoint.uri or str(self.run_dir / "checkpoints")
+        self.ckpt_uri = checkpoint_uri(self.cfg, self.run_dir)
         splits = read_manifest(manifest)["splits"]
         sizes = tuple(s["samples"] for s in splits["train"]["shards"])
         self.shard_paths = [s["path"] for s in splits["train"]["shards"]]  # to name a quarantined sample's source
@@ -80,7 +82,7 @@ class Coordinator:
         self.manifest = manifest
         self.caches: dict[str, object] = {}  # node id -> ShardCache actor
         self._fetched = {"fetched_bytes": 0, "fetched_shards": 0}
-        self.pool = WarmPool(self.cfg, manifest)
+        self.pool = WarmPool(self.cfg, manifest, self._retire)
         self.step = self.cursor = self.saved_step = 0
         self.generation = 0
         self.workers = workers
@@ -111,6 +113,7 @@ class Coordinator:
         self._stall = 0.0  # the checkpoint stall since the last step
         self.latest: dict[str, dict] = {}  # the last record of each kind (status shows them)
         self._commits: deque = deque(maxlen=20)  # recent step commit times: the ETA
+        self.keeper = Keeper(lease)  # the run's lease, renewed where its records are written: a frozen driver keeps it
 
     # -- driver- and user-facing ----------------------------------------------
 
@@ -150,7 +153,7 @@ class Coordinator:
         self._note_members(self.workers, infos)
         self._attach_caches(self.workers, [i["node"] for i in infos])
         ckpt = self._latest_checkpoint() if resume else None
-        if ckpt is not None:
+        if resume:
             self._rewind(ckpt, "resume")
         self.phase = State.RUNNING
         ps = PSTraining(self)
@@ -255,7 +258,12 @@ class Coordinator:
     def _prepare_pool(self) -> None:
         """Attach pool workers that finished warming up to their node's cache while they wait (not waited for)."""
         for worker in self.pool.newly_ready():
-            self.nodes[worker] = node = ray.get(worker.info.remote(), timeout=PING_S)["node"]
+            try:
+                self.nodes[worker] = node = ray.get(worker.info.remote(), timeout=PING_S)["node"]
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:  # died starting: the next refill replaces it
+                log.warning("a warm-pool worker did not start: %s", why(e))
+                self.pool.drop([worker])
+                continue
             if node in self.draining:  # started on a node with a preemption notice: no use waiting there
                 self.pool.drop([worker])
                 continue
@@ -383,7 +391,9 @@ class Coordinator:
             return [results[r] for r in refs]
         why = getattr(failed, "cause", failed) if failed else f"no result within timeouts.step_s={self.cfg.timeouts.step_s}"
         lost = self._find_lost(f"step {self.step + 1}", why)
-        survivors_done = all(ref in results for w, ref in zip(self.workers, refs) if w not in lost)
+        survivors = [ref for w, ref in zip(self.workers, refs) if w not in lost]
+        # Survivors that finished had every share in their all-reduce; with no survivor, nobody finished the step.
+        survivors_done = bool(survivors) and all(ref in results for ref in survivors)
         raise StepFailed(lost, committed=survivors_done, since=started)
 
     def _find_lost(self, what: str, why, among: list | None = None) -> list:
@@ -395,11 +405,18 @@ class Coordinator:
             try:
                 ray.get(ref, timeout=PING_S)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                ray.kill(worker)  # a hung one would block the next group too
+                self._retire([worker])  # a hung one would block the next group too
                 lost.append(worker)
         if not lost:
             raise JobError(f"{what} failed on live workers: {why}")
         return lost
+
+    def _retire(self, workers: list) -> None:
+        """Stop workers for good, and release the shard-cache pins they held (a killed reader cannot)."""
+        for w in workers:
+            ray.kill(w)
+            for cache in self.caches.values():
+                cache.release_holder.remote(w._actor_id.hex())
 
     def _faults_for(self, step: int) -> dict[int, dict]:
         due = {i: f for i, f in enumerate(self.cfg.faults) if f.step == step and i not in self.fired}
@@ -430,13 +447,12 @@ class Coordinator:
         evicted = [w for w in self.workers if self.nodes.get(w) in self.draining]
         staying = [w for w in self.workers if w not in evicted]
         keep, leaving = staying[:target], staying[target:]
-        for w in evicted:  # its node is going away: no clean exit needed, and it may be gone already
-            ray.kill(w)
+        self._retire(evicted)  # its node is going away: no clean exit needed, and it may be gone already
         try:
             self._gather_form([w.leave.remote() for w in leaving], "group exit", leaving)
         except MembersLost as gone:  # a leaver that died is simply not given back
             leaving = [w for w in leaving if w not in gone.lost]
-        self.pool.give_back(leaving)
+        self.pool.give_back(leaving, keep=self.cfg.cluster.warm_pool + max(0, target - len(keep)))
         reason = "preemption" if evicted else "scale-in" if target < len(self.workers) else "scale-out"
         self._change(keep, target - len(keep), reason=reason, started=started, lost=len(evicted), whole=whole)
 
@@ -536,7 +552,11 @@ class Coordinator:
         except ray.exceptions.GetTimeoutError:
             raise JobError(f"{what} did not finish within {self.cfg.timeouts.join_s:.0f} s (timeouts.join_s); a worker is hung "
                            f"or the cluster lacks resources") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+        except ray.exceptions.RayActorError as e:
+            if e.actor_init_failed:  # the same config would fail the same way in a replacement
+                raise JobError(_could_not_start(e)) from None
+            raise MembersLost(self._find_lost(what, getattr(e, "cause", e), members)) from None
+        except ray.exceptions.RayTaskError as e:
             raise MembersLost(self._find_lost(what, getattr(e, "cause", e), members)) from None
 
     def _attach_caches(self, workers: list, nodes: list[str], cursor: int | None = None, wait: bool = True) -> list:
@@ -553,21 +573,21 @@ class Coordinator:
         return attached
 
     def _restore(self) -> None:
+        """Resume: the latest committed checkpoint's state, or the start when there is none."""
         started = time.perf_counter()
         ckpt = self._latest_checkpoint()
-        if ckpt is None:
-            log.warning("no committed checkpoint under %s: starting from step 0", self.ckpt_uri)
-            return
-        parts = ray.put(ckpt.parts)
-        self._gather([w.load_state.remote(parts, ckpt.meta["step"]) for w in self.workers], "state load", self.cfg.timeouts.join_s)
+        if ckpt is not None:
+            parts = ray.put(ckpt.parts)
+            self._gather([w.load_state.remote(parts, ckpt.meta["step"]) for w in self.workers], "state load", self.cfg.timeouts.join_s)
         self._rewind(ckpt, "resume", load_s=time.perf_counter() - started)
 
     def _latest_checkpoint(self):
         return self.saver.latest(self.cfg.hash())
 
     def _rewind(self, ckpt, kind: str, load_s: float | None = None) -> None:
-        """The cursor and step to the checkpoint's; records of the steps after it are moved aside."""
-        meta = ckpt.meta
+        """The cursor and step to the checkpoint's (to the start without one, as the workers are built); the
+        records of the steps after it are moved aside, so whatever the run directory held, no step is recorded twice."""
+        meta = ckpt.meta if ckpt is not None else {"step": 0, "cursor": 0, "level": None}
         reached = (self.saver.reached() or meta["step"]) if kind == "resume" else self.step
         self.step, self.cursor = meta["step"], meta["cursor"]
         self.saved_step = self.step
@@ -576,15 +596,19 @@ class Coordinator:
             self.lr_scale = meta.get("lr_scale", 1.0)
             self.balancer.load(meta.get("balance"), self.workers)
         self.norms = NormWatch(**meta.get("norms", {}))
-        if ckpt.base is not None:
+        base = ckpt.base if ckpt is not None else None
+        if base is not None:
             log.warning("%s from the light checkpoint %s: weights of step %d, optimizer, scheduler and scaler state of the "
                         "full checkpoint %s (step %d); the run does not follow the uninterrupted trajectory exactly",
-                        kind, ckpt.path, meta["step"], ckpt.base, meta["base_step"])
+                        kind, ckpt.path, meta["step"], base, meta["base_step"])
+        reason = "the latest committed checkpoint" if ckpt is not None else f"no committed checkpoint under {self.ckpt_uri}: from the start"
         moved = truncate_after(self.run_dir / "metrics.jsonl", self.step)
-        self._record({"kind": kind, "step": self.step, "path": ckpt.path, "level": meta["level"], "base": ckpt.base,
-                      "reached_step": reached, "records_redone": moved, "load_s": load_s, "time": time.time()})
+        self._record({"kind": kind, "step": self.step, "path": ckpt.path if ckpt is not None else None, "level": meta["level"],
+                      "base": base, "reason": reason, "reached_step": reached, "records_redone": moved, "load_s": load_s,
+                      "time": time.time()})
 
     def _stop(self) -> None:
+        self.keeper.stop()
         self.saver.close()
         for w in self.workers:
             ray.kill(w)
@@ -647,6 +671,8 @@ class Coordinator:
             raise JobError(f"a worker died during {what}: {e}; resume with `etrain train --resume {self.run_dir}`") from None
 
     def _record(self, record: dict) -> None:
+        if self.keeper.lost:  # another driver owns the run now: not one more line from this one
+            raise JobError(self.keeper.lost)
         append_jsonl(self.run_dir / "metrics.jsonl", record)
         self.dashboard.publish(record)
         with self._lock:
@@ -659,6 +685,15 @@ class Coordinator:
         summary = summarize(self.run_dir / "metrics.jsonl", self.cfg, self.started_at, self.first_step_at)
         write_json(self.run_dir / "summary.json", summary)
         return summary
+
+
+def _could_not_start(error: ray.exceptions.RayActorError) -> str:
+    """A worker's constructor failed: its own exception, and what to do about it."""
+    said = why(error)
+    if any(m in said.lower() for m in ("allocate", "out of memory", "outofmemory")):
+        return (f"a worker could not start: {said}; the model does not fit a worker's memory: lower model.d_model, "
+                f"model.n_layer or train.micro_batch (`etrain config` prints the estimate), or use larger nodes")
+    return f"a worker could not start: {said}; fix the cause, then start the job again"
 
 
 def _eta(commits: list[float], steps_left: int) -> float | None:

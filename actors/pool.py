@@ -9,14 +9,17 @@ survives node churn: a lost node is replaced and the pool refills onto it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import ray
 
 from app.config import Config
 
 
 class WarmPool:
-    def __init__(self, cfg: Config, manifest: str):
+    def __init__(self, cfg: Config, manifest: str, retire: Callable[[list], None]):
         self.cfg, self.manifest = cfg, manifest
+        self.retire = retire  # stops workers and frees what they held (their shard-cache pins)
         self.idle: list = []
         self.warming: dict = {}  # worker -> its warm_up call, until the coordinator prepares it
         self.preparing: dict = {}  # worker -> its cache attach (the coordinator's), done = ready to join
@@ -55,12 +58,12 @@ class WarmPool:
         return chosen
 
     def drop(self, workers: list) -> None:
-        """Stop pool workers (on a node being drained); the next refill replaces them elsewhere."""
+        """Stop pool workers (on a node being drained, or beyond the pool's size); the next refill replaces them."""
         for w in workers:
             self.idle.remove(w)
             self.warming.pop(w, None)
             self.preparing.pop(w, None)
-            ray.kill(w)
+        self.retire(workers)
 
     def ready(self) -> int:
         """Pool workers warmed up and attached to their node's cache: a join costs them no start-up."""
@@ -71,13 +74,14 @@ class WarmPool:
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
         return [w for w, ref in self.preparing.items() if ref in done]
 
-    def give_back(self, workers: list) -> None:
+    def give_back(self, workers: list, keep: int) -> None:
         """Workers leaving the group are warm and attached: they go back in, ahead of pool workers
-        still starting, which are the first stopped when the pool is over its size."""
+        still starting. Beyond `keep` (the pool's size plus the joiners the coming change takes
+        from it), the pool is trimmed, workers still starting first."""
         self.idle = workers + self.idle
         self.preparing |= {w: w.info.remote() for w in workers}
         self.idle.sort(key=lambda w: w in self.warming)
-        self.drop(self.idle[self.cfg.cluster.warm_pool :])
+        self.drop(self.idle[keep:])
 
     def reserve(self, members: int) -> None:
         """Ask the autoscaler for room for `members` workers plus the pool. The request persists
@@ -92,6 +96,4 @@ class WarmPool:
         request_resources(bundles=[bundle] * (members + c.warm_pool if members else 0))
 
     def close(self) -> None:
-        for w in self.idle:
-            ray.kill(w)
-        self.idle = []
+        self.drop(list(self.idle))

@@ -20,6 +20,7 @@ import ray
 from actors.control import JobError
 from app import checkpoint
 from app.config import Config
+from app.storage import STORAGE_ERRORS, describe
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,8 @@ class Saver:
         writers = workers if sharded and level == "full" else workers[:1]
         try:
             path = checkpoint.prepare(self.uri, step)
-        except OSError as e:  # storage refuses: training goes on, the last good checkpoint stays the last
-            self._failed(step, e)
+        except STORAGE_ERRORS as e:  # storage refuses: training goes on, the last good checkpoint stays the last
+            self._failed(step, describe(e))
             return True
         meta = {**meta, "level": level, "step": step}
         if level == "light":
@@ -94,13 +95,21 @@ class Saver:
         if any(r is None for r in results):
             return self._failed(step, "a writer holds no save in progress (it was replaced)")
         files = {name: info for r in results for name, info in r["files"].items()}
-        checkpoint.commit(save.path, save.meta, files)
+        try:
+            checkpoint.commit(save.path, save.meta, files)
+        except STORAGE_ERRORS as e:  # no marker, no checkpoint: readers still find the one before
+            return self._failed(step, describe(e))
         if save.meta["level"] == "full":
             self.base = {"dir": posixpath.basename(save.path.rstrip("/")), "step": step, "hashes": results[0]["hashes"]}
-        checkpoint.retain(self.uri, self.cfg.checkpoint.keep)
-        self._record({"kind": "checkpoint", "level": save.meta["level"], "step": step, "path": save.path,
-                      "bytes": sum(f["bytes"] for f in files.values()), "stall_s": save.stall_s,
-                      "save_s": time.perf_counter() - save.started, "time": time.time()})
+        record = {"kind": "checkpoint", "level": save.meta["level"], "step": step, "path": save.path,
+                  "bytes": sum(f["bytes"] for f in files.values()), "stall_s": save.stall_s,
+                  "save_s": time.perf_counter() - save.started, "time": time.time()}
+        try:
+            checkpoint.retain(self.uri, self.cfg.checkpoint.keep)
+        except STORAGE_ERRORS as e:  # the save stands; older checkpoints stay until a later retention succeeds
+            log.warning("checkpoint at step %d: removing older checkpoints failed: %s", step, describe(e))
+            record["retain_error"] = describe(e)
+        self._record(record)
 
     def _failed(self, step: int, why) -> None:
         log.warning("checkpoint at step %d was not written: %s", step, why)

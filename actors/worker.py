@@ -94,7 +94,7 @@ class TrainWorker:
         first step after joining does not pay for the first call to the cache."""
         if self.train_data is not None:
             self.train_data.close()
-        self.train_data = StreamingReader(self.manifest, layout, cache)
+        self.train_data = StreamingReader(self.manifest, layout, cache, holder=ray.get_runtime_context().get_actor_id())
         if cursor is not None:
             self.train_data.get(take(layout, cursor, 1), cursor)
 

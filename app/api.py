@@ -5,25 +5,19 @@ A run's coordinator is the named actor `etrain:RUN` in Ray namespace `etrain`.
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
 import ray
 
-from app.config import ConfigError
+from app.config import ConfigError, TimeoutConfig
+from app.connect import NAMESPACE, connect
 
-NAMESPACE = "etrain"
+CONNECT_S = TimeoutConfig().connect_s  # connecting and asking a coordinator: bounded, never a hang
 
 
 def _connect() -> None:
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS", "auto")
-    try:
-        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
-    except ConnectionError as e:
-        raise ConfigError(f"no Ray cluster at {address!r} ({e}); run this where the job runs, or set RAY_ADDRESS to its head") from None
+    connect(os.environ.get("RAY_ADDRESS") or "auto", CONNECT_S)
 
 
 def coordinator(run: str):
@@ -44,16 +38,19 @@ def runs() -> list[str]:
 
 def status(run: str) -> dict:
     try:
-        return ray.get(coordinator(run).status.remote())
+        return ray.get(coordinator(run).status.remote(), timeout=CONNECT_S)
     except ray.exceptions.RayActorError:
         raise ConfigError(f"the job {Path(run).name!r} ended while being asked for its status") from None
+    except ray.exceptions.GetTimeoutError:
+        raise ConfigError(f"the job {Path(run).name!r} did not answer within {CONNECT_S:.0f} s: its coordinator is hung "
+                          f"or its node unreachable") from None
 
 
 def scale(run: str, workers: int) -> dict:
     """Ask for `workers` members from the next step boundary on; returns the status at the time of asking."""
     handle = coordinator(run)
     try:
-        ray.get(handle.request_scale.remote(workers))
+        ray.get(handle.request_scale.remote(workers), timeout=CONNECT_S)
     except ValueError as e:
         raise ConfigError(str(getattr(e, "cause", e))) from None
-    return ray.get(handle.status.remote())
+    return status(run)

@@ -25,8 +25,11 @@ import logging
 import posixpath
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import fsspec
+
+from app.storage import STORAGE_ERRORS, describe
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,11 @@ class Checkpoint:
     meta: dict  # its commit
     parts: dict[str, bytes]  # verified part files; a light one's weights under LIGHT, the rest from its base
     base: str | None = None  # the full checkpoint a light one completes
+
+
+def checkpoint_uri(cfg, run_dir) -> str:
+    """Where a run's checkpoints (and its lease and cursor) live: `checkpoint.uri`, or RUN/checkpoints."""
+    return cfg.checkpoint.uri or str(Path(run_dir) / "checkpoints")
 
 
 def serialize(state) -> bytes:
@@ -228,8 +236,8 @@ class CursorLog:
                     return
             try:
                 write_cursor(self.uri, record)
-            except OSError as e:  # the next step's record tries again
-                log.warning("could not write the data cursor to %s: %s", self.uri, e)
+            except STORAGE_ERRORS as e:  # the next step's record tries again
+                log.warning("could not write the data cursor to %s: %s", self.uri, describe(e))
 
 
 def _put_whole(fs, target: str, body: bytes) -> None:

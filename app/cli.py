@@ -3,57 +3,105 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
-from actors.coordinator import JobError
+from actors.control import JobError, why
 from app.config import RESUMABLE, Config, ConfigError, load_config
-from app.job import new_run_dir, train
+from app.job import durable, new_run_dir, train
+from app.storage import StorageError
 from pipelines.shards import ShardError
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every failure ends in one line on the terminal that names the cause and what to do: exit 2 for
+    usage errors, 1 for runtime ones, 130 for Ctrl-C. A traceback goes to the log file the line names."""
     started_at = time.time()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
+    ours = not _ray_up()  # a Ray this command connects to is shut down by it (the caller's, as in tests, is not)
     try:
         return args.func(args, started_at)
     except (ConfigError, ShardError) as e:
         print(f"etrain: error: {e}", file=sys.stderr)
         return 2
+    except JobError as e:
+        print(f"etrain: training failed: {getattr(e, 'cause', e)}", file=sys.stderr)  # raised in an actor: not Ray's traceback
+        return 1
+    except StorageError as e:
+        print(f"etrain: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"etrain: interrupted{getattr(args, 'resume_hint', '')}", file=sys.stderr)
+        return 130
+    except Exception as e:  # a failure nobody named: its one line here, the details in the log
+        path = _log_traceback(e, getattr(args, "log_file", None))
+        print(f"etrain: error: {why(e)}\n(details: {path})", file=sys.stderr)
+        return 1
+    finally:
+        if ours and _ray_up():
+            sys.modules["ray"].shutdown()  # before the interpreter exits: Ray's threads torn down mid-exit dump C++ stacks
+
+
+def _ray_up() -> bool:
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+
+
+def _log_traceback(error: BaseException, path: Path | None) -> Path:
+    path = path or Path.home() / ".cache" / "etrain" / "logs" / f"etrain-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} etrain {' '.join(sys.argv[1:])}\n")
+        traceback.print_exception(error, file=f)
+    return path
 
 
 def cmd_train(args, started_at: float) -> int:
     if args.resume and args.config:
         raise ConfigError("--resume takes the run's own config.yaml; drop --config (use --set for resumable keys)")
     if args.resume:
-        run_dir = Path(args.resume)
+        run_dir = durable(Path(args.resume).expanduser().resolve(), "--resume")
         cfg = _resume_config(run_dir, args.set)
     else:
         cfg = load_config(args.config, args.set)
         run_dir = new_run_dir(cfg)
+    args.log_file = run_dir / "driver.log"
+    args.resume_hint = f"; resume with `etrain train --resume {run_dir}`"
     print(f"run directory: {run_dir}", file=sys.stderr)
-    try:
+    with _logging_to(args.log_file):
         summary = train(cfg, run_dir, resume=bool(args.resume), started_at=started_at, progress=not args.no_progress)
-    except JobError as e:
-        reason = getattr(e, "cause", e)  # raised inside the coordinator actor: drop Ray's remote traceback
-        print(f"etrain: training failed: {reason}", file=sys.stderr)
-        return 1
     print(json.dumps(summary, indent=1))
     print(f"metrics: {run_dir / 'metrics.jsonl'}\nsummary: {run_dir / 'summary.json'}", file=sys.stderr)
     return 0
 
 
+@contextlib.contextmanager
+def _logging_to(path: Path):
+    """The driver's log to `path` too, beside the terminal's lines."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    try:
+        yield
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+
+
 def cmd_prepare(args, started_at: float) -> int:
     from app.job import connect
-    from pipelines.prepare import prepare
+    from pipelines.prepare import open_output, prepare
 
     sugar = [f"prepare.jsonl_field={args.field}"] * bool(args.field) + [f"prepare.parquet_column={args.column}"] * bool(args.column)
     cfg = load_config(args.config, [*sugar, *args.set])
     storage = dict(_parse_option(o) for o in args.storage_option)
+    open_output(args.out, storage)  # a wrong option or an unreachable endpoint, named before Ray starts
     connect(cfg)
     report = prepare(args.src, args.out, cfg, overwrite=args.overwrite, storage=storage, progress=not args.no_progress)
     print(json.dumps(report, indent=1))
@@ -192,7 +240,13 @@ def cmd_tune(args, started_at: float) -> int:
 
 
 def cmd_config(args, started_at: float) -> int:
-    print(load_config(args.config, args.set).to_yaml(), end="")
+    cfg = load_config(args.config, args.set)
+    print(cfg.to_yaml(), end="")
+    need, here = cfg.worker_memory(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    print(f"model: {cfg.model.param_count():,} parameters; about {need / 2**30:,.2f} GiB per worker (weights, gradients, "
+          f"AdamW state, activations of one micro-batch)", file=sys.stderr)
+    if need > here and not cfg.cluster.gpus_per_worker:
+        print(f"warning: that is more than this machine's {here / 2**30:,.1f} GiB of memory", file=sys.stderr)
     return 0
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -29,7 +29,17 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No inf or NaN anywhere (optim.lr=.inf would fail only at step 2).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML's `true` would pass as 1 (train.steps=true trains one step); a number key takes a number."""
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and annotation in (int, float, int | None, float | None):
+            raise ValueError(f"must be a number, not {str(value).lower()}")
+        return value
 
 
 class ModelConfig(Section):
@@ -41,6 +51,13 @@ class ModelConfig(Section):
     positions: Literal["rotary", "learned"] = "rotary"
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     tie_weights: bool = Field(True, description="share input embedding and output head")
+
+    def param_count(self) -> int:
+        """Parameters of app.model.GPT with this config, by arithmetic (no torch): embeddings, 12·d² + 4·d per
+        block (attention 4·d², MLP 8·d², two LayerNorms), the final LayerNorm, the head unless tied."""
+        d = self.d_model
+        return (self.vocab_size * d * (1 if self.tie_weights else 2) + (self.seq_len * d if self.positions == "learned" else 0)
+                + self.n_layer * (12 * d * d + 4 * d) + 2 * d)
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
@@ -180,12 +197,16 @@ class TimeoutConfig(Section):
     |---------------|----------------------------------------------------|---------|
     | collective_s  | one all-reduce / barrier (torch process group)     | 60      |
     | step_s        | one whole step on every worker (includes collectives) | 180  |
-    | join_s        | workers started, group formed, state loaded        | 300     |
+    | join_s        | workers started, group formed, state loaded; the driver's wait for an answer of the coordinator | 300 |
+    | connect_s     | reaching the Ray cluster (a dead address, a refused token) | 30 |
+    | lease_s       | a run's lease not renewed for this long is stale: another driver may take the run over | 60 |
     """
 
     collective_s: float = Field(60, gt=0)
     step_s: float = Field(180, gt=0)
     join_s: float = Field(300, gt=0)
+    connect_s: float = Field(30, gt=0)
+    lease_s: float = Field(60, ge=4)
 
     @model_validator(mode="after")
     def _nested(self) -> TimeoutConfig:
@@ -250,12 +271,26 @@ class Config(Section):
         if self.comm.mode == "ps" and self.train.global_batch % self.cluster.num_workers:
             raise ValueError(f"comm.mode=ps gives each worker train.global_batch / cluster.num_workers samples per push: "
                              f"make train.global_batch={self.train.global_batch} a multiple of cluster.num_workers={self.cluster.num_workers}")
+        largest = max(self.cluster.num_workers, self.cluster.max_workers or 0)
+        for i, fault in enumerate(self.faults):
+            if fault.rank >= largest:
+                raise ValueError(f"faults[{i}].rank={fault.rank} never fires: the run has at most {largest} worker(s) "
+                                 f"(ranks 0-{largest - 1}; cluster.num_workers, cluster.max_workers)")
         if self.train.batch_scaling == "linear" and self.train.global_batch % self.cluster.num_workers:
             raise ValueError(
                 f"train.batch_scaling=linear needs train.global_batch={self.train.global_batch} to be a multiple of "
                 f"cluster.num_workers={self.cluster.num_workers} (it is the per-worker batch times the workers)"
             )
         return self
+
+    def worker_memory(self) -> int:
+        """About the bytes one worker needs: fp32 weights, gradients and AdamW's two moments (16 per parameter),
+        and the activations of one micro-batch kept for backward (Korthikanti et al. 2022, per layer
+        34·s·b·h + 5·a·s²·b bytes at 16 bits, twice that in fp32), plus the logits and their gradient."""
+        m, b = self.model, self.train.micro_batch
+        width = 2 if self.train.precision == "fp32" else 1
+        per_layer = (34 * m.seq_len * b * m.d_model + 5 * m.n_head * m.seq_len**2 * b) * width
+        return 16 * m.param_count() + m.n_layer * per_layer + 8 * b * m.seq_len * m.vocab_size
 
     def batch_at(self, world: int) -> int:
         """Samples per optimizer step with `world` workers."""
@@ -365,9 +400,10 @@ def _check_keys(raw: Any, model: type[BaseModel], prefix: str) -> None:
 def _format_errors(error: ValidationError) -> str:
     lines = []
     for err in error.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "config"
-        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
-        lines.append(f"config key {key!r}: {err['msg']}{got}")
+        key = ".".join(str(p) for p in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
+        lines.append(f"config key {key!r}: {message}{got}" if key else f"config: {message}")
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 """The training job, driver side: data, run directory, Ray, coordinator, progress.
 
 Under `ray job submit` or with RAY_ADDRESS set it joins that cluster; otherwise
-it starts a local Ray instance (token authentication on, Ray's default).
+it starts a local Ray instance (token authentication on, Ray's default). A run
+has one driver at a time: its lease (app/lease.py) is taken before anything starts.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import importlib
 import logging
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,16 +25,20 @@ from ray.util.scheduling_strategies import (
 )
 from tqdm import tqdm
 
+from actors.control import JobError, why
 from actors.coordinator import Coordinator
-from app.api import NAMESPACE
-from app.config import Config, ConfigError
+from app import connect as cluster
+from app.checkpoint import checkpoint_uri
+from app.config import Config, ConfigError, override
+from app.connect import NAMESPACE
+from app.lease import acquire, release
 from pipelines.embedded import ensure_corpus
-from pipelines.shards import read_manifest
+from pipelines.shards import training_manifest
 
 
 def new_run_dir(cfg: Config) -> Path:
     name = cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.run.root).expanduser() / name
+    run_dir = durable(Path(cfg.run.root).expanduser().resolve() / name, "run.root")
     if run_dir.exists():
         raise ConfigError(f"run directory {run_dir} already exists; pick another run.name, or continue it with --resume {run_dir}")
     run_dir.mkdir(parents=True)
@@ -40,11 +46,23 @@ def new_run_dir(cfg: Config) -> Path:
     return run_dir
 
 
+def durable(path: Path, key: str) -> Path:
+    """`path`, refused when it lies in Ray's temporary directory: under `ray job submit --working-dir` a
+    relative path lands in the unpacked package there, and the run is deleted with the session."""
+    temp = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()).resolve() / "ray"
+    if path.is_relative_to(temp) or "runtime_resources" in path.parts:
+        raise ConfigError(f"{key} resolves to {path}, inside Ray's temporary directory ({temp}; under `ray job submit "
+                          f"--working-dir` a relative path lands in the unpacked package), which is deleted with the Ray "
+                          f"session: set {key} to an absolute path on durable storage (e.g. --set {key}=/home/ray/runs), "
+                          f"and on a multi-node cluster checkpoint.uri to shared storage (s3://...)")
+    return path
+
+
 def resolve_data(cfg: Config) -> str:
     """Manifest URI to train on, building the embedded corpus when none is given."""
     if cfg.data.source == "embedded":
         return ensure_corpus(cfg)
-    manifest = read_manifest(cfg.data.source)
+    manifest = training_manifest(cfg.data.source)
     if manifest["seq_len"] != cfg.model.seq_len:
         raise ConfigError(f"data {cfg.data.source} is packed at seq_len {manifest['seq_len']}, but model.seq_len={cfg.model.seq_len}; set model.seq_len={manifest['seq_len']}")
     if manifest["vocab_size"] > cfg.model.vocab_size:
@@ -52,41 +70,71 @@ def resolve_data(cfg: Config) -> str:
     return cfg.data.source
 
 
-def connect(cfg: Config, jobs: int = 1) -> None:
-    if ray.is_initialized():
+def check_memory(cfg: Config) -> None:
+    """Refuse a model that cannot fit a CPU worker on any node of the cluster (a GPU's memory is
+    known only on the worker: it says so itself when it cannot start)."""
+    if cfg.cluster.gpus_per_worker:
         return
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    # A local instance gets logical CPUs for every worker and the warm pool of `jobs` jobs (trials), even on a 2-core laptop.
-    cpus = None if address else max(os.cpu_count() or 1, jobs * cfg.cluster.cpus_per_worker * (cfg.cluster.num_workers + cfg.cluster.warm_pool) + 1)
-    # "local": a new instance even when a stale /tmp/ray/ray_current_cluster names a dead one.
-    ray.init(address=address or "local", num_cpus=cpus, namespace=NAMESPACE, logging_level=logging.WARNING)
+    need = cfg.worker_memory()
+    largest = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n["Alive"]), default=0)
+    if largest and need > largest:
+        raise ConfigError(f"the model needs about {need / 2**30:,.1f} GiB per worker ({cfg.model.param_count():,} parameters: "
+                          f"weights, gradients, AdamW state, activations of train.micro_batch={cfg.train.micro_batch}), more than "
+                          f"the {largest / 2**30:,.1f} GiB for tasks on the largest node; lower model.d_model, model.n_layer "
+                          f"or train.micro_batch")
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, started_at: float | None = None, progress: bool = True,
           on_eval: Callable[[dict], None] | None = None) -> dict:
-    """Run (or resume) a job to its end; `on_eval` sees each evaluation record as it happens (a Tune trial reports them)."""
+    """Run (or resume) a job to its end; `on_eval` sees each evaluation record as it happens (a Tune trial reports them).
+    The run's lease is taken first: a run another live driver is training is refused (RunBusy)."""
     started_at = started_at or time.time()
+    run_dir = durable(Path(run_dir).resolve(), "the run directory")
+    if cfg.checkpoint.uri and "://" not in cfg.checkpoint.uri:  # the coordinator's working directory is not the driver's
+        cfg = override(cfg, {"checkpoint.uri": str(durable(Path(cfg.checkpoint.uri).expanduser().resolve(), "checkpoint.uri"))})
+    lease = acquire(checkpoint_uri(cfg, run_dir), run_dir.name, cfg.timeouts.lease_s)
+    try:
+        return _run(cfg, run_dir, resume, started_at, progress, on_eval, lease)
+    finally:
+        release(lease)
+
+
+def _run(cfg: Config, run_dir: Path, resume: bool, started_at: float, progress: bool, on_eval, lease) -> dict:
     # The worker module brings torch (~3 s to import): load it while Ray starts.
     with ThreadPoolExecutor(1) as pool:
         worker_module = pool.submit(importlib.import_module, "actors.worker")
         manifest = resolve_data(cfg)
         connect(cfg)
+        check_memory(cfg)
         workers = worker_module.result().spawn(cfg, manifest, cfg.cluster.num_workers)
     _wait_for_name(f"etrain:{run_dir.name}")
     coordinator = ray.remote(Coordinator).options(name=f"etrain:{run_dir.name}", num_cpus=0, max_concurrency=4, scheduling_strategy=_beside_driver())
-    coordinator = coordinator.remote(cfg.model_dump(), str(run_dir), manifest, started_at, workers)
+    coordinator = coordinator.remote(cfg.model_dump(), str(run_dir), manifest, started_at, workers, lease)
     try:
         done = coordinator.run.remote(resume)
         _follow(coordinator, done, cfg, progress, on_eval)
         return ray.get(done)
+    except ray.exceptions.RayActorError as e:
+        if e.actor_init_failed:
+            raise JobError(f"the job's coordinator could not start: {why(e)}") from None
+        raise JobError(f"the job's coordinator died ({why(e)}): its process was killed or its node was lost; "
+                       f"resume with `etrain train --resume {run_dir}`") from None
     finally:
         ray.kill(coordinator)
         for w in workers:
             ray.kill(w)
 
 
+def connect(cfg: Config, jobs: int = 1) -> None:
+    """Join cluster.address (or RAY_ADDRESS, as under `ray job submit`), or start a local instance with logical
+    CPUs for every worker and the warm pool of `jobs` jobs (trials), even on a 2-core laptop."""
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS") or None
+    cpus = max(os.cpu_count() or 1, jobs * cfg.cluster.cpus_per_worker * (cfg.cluster.num_workers + cfg.cluster.warm_pool) + 1)
+    cluster.connect(address, cfg.timeouts.connect_s, num_cpus=None if address else cpus)
+
+
 def _resumed(e: dict) -> str:
-    said = f"resumed at step {e['step']} from {e['path']}"
+    said = f"resumed at step {e['step']} from {e['path'] or e['reason']}"
     if e.get("reached_step", e["step"]) > e["step"]:
         said += f"; the run had reached step {e['reached_step']}: {e['reached_step'] - e['step']} steps are redone"
     if e.get("base"):
@@ -127,7 +175,11 @@ def _follow(coordinator, done, cfg: Config, progress: bool, on_eval: Callable[[d
     with bar:
         while True:
             finished, _ = ray.wait([done], timeout=0.5)
-            phase, events = ray.get(coordinator.poll.remote())
+            try:
+                phase, events = ray.get(coordinator.poll.remote(), timeout=cfg.timeouts.join_s)
+            except ray.exceptions.GetTimeoutError:  # it answers polls between steps and during them: it is frozen
+                raise JobError(f"the job's coordinator has not answered for {cfg.timeouts.join_s:.0f} s (timeouts.join_s): its "
+                               f"process is hung or its node unreachable") from None
             bar.set_description(phase)
             for e in events:
                 if e["kind"] == "resume":
@@ -140,6 +192,8 @@ def _follow(coordinator, done, cfg: Config, progress: bool, on_eval: Callable[[d
                     bar.write(f"step {e['step']}: eval loss {e['eval_loss']:.4f}", file=sys.stderr)
                     if on_eval is not None:
                         on_eval(e)
+                elif e["kind"] == "checkpoint_failed":
+                    bar.write(f"step {e['step']}: warning: the checkpoint was not written ({e['error']}); training goes on", file=sys.stderr)
                 elif e["kind"] == "membership":
                     phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in e["phases"].items())
                     bar.write(f"step {e['step']}: {e['reason']} {e['world_before']} -> {e['world_after']} workers in {e['total_s']:.2f} s ({phases})",

@@ -71,10 +71,24 @@ def _load(run_dir: Path) -> list[dict]:
         raise ConfigError(f"{run_dir} is not a directory; pass a run directory, the one `etrain train` printed")
     if not path.is_file():
         raise ConfigError(f"{path} does not exist; pass a run directory, the one `etrain train` printed")
-    records = read_jsonl(path)
+    records = _once_per_step(read_jsonl(path))
     if not _of(records, "train"):
         raise ConfigError(f"no steps recorded yet in {path}; make the report once the run has committed a step")
     return records
+
+
+def _once_per_step(records: list[dict]) -> list[dict]:
+    """Each step drawn once: a train record at or before a step already seen starts the run over from
+    there (a resume moves the records it redoes aside itself; a run directory written before it did,
+    or by two drivers at once, must still not draw a line back in time)."""
+    kept, last = [], 0
+    for r in records:
+        if r.get("kind") == "train" and r["step"] <= last:
+            kept = [k for k in kept if k.get("kind") not in ("train", "eval") or k["step"] < r["step"]]
+        if r.get("kind") == "train":
+            last = r["step"]
+        kept.append(r)
+    return kept
 
 
 def _of(records: list[dict], kind: str) -> list[dict]:

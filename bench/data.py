@@ -78,7 +78,7 @@ def layout_of(manifest: str) -> order.Layout:
 def read_ours(manifest: str, epochs: int, cache_dir: str) -> dict:
     layout = layout_of(manifest)
     cache = ray.remote(ShardCache).options(num_cpus=0, max_concurrency=8).remote(manifest, layout, 3, cache_dir)
-    reader = StreamingReader(manifest, layout, cache)
+    reader = StreamingReader(manifest, layout, cache, holder="reader")
     started, wait, nbytes = time.perf_counter(), 0.0, 0
     epoch_times, snapshots = [], []
     for epoch in range(epochs):
@@ -92,7 +92,7 @@ def read_ours(manifest: str, epochs: int, cache_dir: str) -> dict:
     elapsed = time.perf_counter() - started
     cache_stats = ray.get(cache.stats.remote())
     first = time.perf_counter()  # a worker joining now, at the current cursor, with its shard cached
-    joiner = StreamingReader(manifest, layout, cache)
+    joiner = StreamingReader(manifest, layout, cache, holder="joiner")
     joiner.get(order.take(layout, cursor, BATCH), cursor)
     join_s = time.perf_counter() - first
     ray.get(cache.close.remote())

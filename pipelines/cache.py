@@ -8,6 +8,12 @@ ones are read, and evicts the unpinned shard needed furthest ahead (Belady).
 One Ray actor per node owns the decisions, so workers in other processes never
 race; they read the files it hands out. If every slot is pinned, a request
 overflows the capacity by one rather than deadlocking, and says so in stats.
+
+A pin belongs to its holder (a worker's actor id), so the pins of a worker that
+was killed or lost can be released for it (`release_holder`): a dead reader must
+not keep shards from eviction for the rest of the run. A cache directory is
+named after its process; the directories of dead processes (a coordinator killed,
+a Ctrl-C) are removed when the next cache of the node starts.
 """
 
 from __future__ import annotations
@@ -16,20 +22,24 @@ import hashlib
 import logging
 import os
 import posixpath
+import re
 import shutil
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import fsspec
 
+from app.lease import pid_alive
+from app.storage import STORAGE_ERRORS, describe
 from pipelines import order
 from pipelines.shards import ShardError, read_manifest
 
 log = logging.getLogger(__name__)
 
-RETRIES = 4  # transient download errors, with exponential backoff from 0.2 s
+RETRIES = 5  # transient download errors (an object store's brief outage), with exponential backoff from 0.5 s: 7.5 s in all
 
 
 class ShardCache:
@@ -41,36 +51,48 @@ class ShardCache:
         self.capacity = capacity
         key = hashlib.sha256(manifest_uri.encode()).hexdigest()[:12]
         self.dir = Path(cache_dir).expanduser() / f"{key}-{os.getpid()}"
+        remove_orphans(self.dir.parent)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._present: dict[int, Future] = {}  # shard -> download (done or in flight)
-        self._pins: dict[int, int] = {}
+        self._pins: dict[int, Counter] = {}  # shard -> its holders and their pin counts
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="shard-fetch")
         self.stats_ = {"hits": 0, "misses": 0, "fetched_shards": 0, "fetched_bytes": 0, "evicted": 0, "overflows": 0, "retries": 0}
 
-    def acquire(self, shard: int, cursor: int) -> dict:
-        """Pin `shard`, wait until it is on local disk, and prefetch what comes next after `cursor`."""
+    def acquire(self, shard: int, cursor: int, holder: str) -> dict:
+        """Pin `shard` for `holder`, wait until it is on local disk, and prefetch what comes next after `cursor`."""
         started = time.perf_counter()
         with self._lock:
             hit = shard in self._present  # cached, or prefetched and still arriving (the wait is timed apart)
             self.stats_["hits" if hit else "misses"] += 1
-            self._pins[shard] = self._pins.get(shard, 0) + 1
+            self._pins.setdefault(shard, Counter())[holder] += 1
             future = self._ensure(shard, cursor)
             self._prefetch(cursor)
         try:
             path = future.result()
         except Exception:
-            self.release(shard)
+            self.release(shard, holder)
             with self._lock:
                 self._present.pop(shard, None)
             raise
         return {"path": path, "hit": hit, "wait_s": time.perf_counter() - started}
 
-    def release(self, shard: int) -> None:
+    def release(self, shard: int, holder: str) -> None:
         with self._lock:
-            self._pins[shard] -= 1
-            if not self._pins[shard]:
-                del self._pins[shard]
+            holders = self._pins.get(shard, Counter())
+            holders[holder] -= 1
+            if holders[holder] <= 0:
+                del holders[holder]
+            if not holders:
+                self._pins.pop(shard, None)
+
+    def release_holder(self, holder: str) -> None:
+        """Every pin of a reader that is gone (killed, lost with its node) or was stopped."""
+        with self._lock:
+            for shard in list(self._pins):
+                self._pins[shard].pop(holder, None)
+                if not self._pins[shard]:
+                    del self._pins[shard]
 
     def stats(self) -> dict:
         with self._lock:
@@ -140,14 +162,26 @@ class ShardCache:
                     return f.read()
             except FileNotFoundError:
                 raise ShardError(f"shard {uri} listed in the manifest is missing") from None
-            except OSError as e:
+            except STORAGE_ERRORS as e:
                 if attempt == RETRIES - 1:
-                    raise ShardError(f"shard {uri} could not be fetched after {RETRIES} tries: {e}") from e
+                    raise ShardError(f"shard {uri} could not be fetched after {RETRIES} tries: {describe(e)}") from None
+                log.warning("fetching shard %s failed (%s); retrying in %.1f s", uri, describe(e), 0.5 * 2**attempt)
                 with self._lock:
                     self.stats_["retries"] += 1
-                time.sleep(0.2 * 2**attempt)
+                time.sleep(0.5 * 2**attempt)
         raise AssertionError("unreachable")
 
     @staticmethod
     def _name(shard: int) -> str:
         return f"{shard:06d}.parquet"
+
+
+def remove_orphans(parent: Path) -> None:
+    """Remove the cache directories (`KEY-PID`) of processes that are gone."""
+    if not parent.is_dir():
+        return
+    for d in parent.iterdir():
+        named = re.fullmatch(r"[0-9a-f]{12}-(\d+)", d.name)
+        if named and d.is_dir() and not pid_alive(int(named.group(1))):
+            shutil.rmtree(d, ignore_errors=True)
+

@@ -30,6 +30,7 @@ import ray
 from tqdm import tqdm
 
 from app.config import Config, ConfigError, PrepareConfig
+from app.storage import STORAGE_ERRORS, StorageError, describe
 from pipelines import dedup, quality, tokenizer
 from pipelines.shards import SplitWriter, pack_rows, write_manifest
 
@@ -43,7 +44,7 @@ STAGES = ("reading, normalising, filtering", "exact duplicates", "near duplicate
 def prepare(srcs: list[str], out: str, cfg: Config, overwrite: bool = False, storage: dict | None = None, progress: bool = True) -> dict:
     """Each stage is a Ray Data run with its own per-operator progress; the stage bar says which of them is running."""
     storage = storage or {}
-    fs, root = fsspec.core.url_to_fs(out, **storage)
+    fs, root = open_output(out, storage)
     if fs.exists(root) and fs.ls(root):
         if not overwrite:
             raise ConfigError(f"output {out} exists and is not empty; pass --overwrite to replace it, or choose another --out")
@@ -79,6 +80,20 @@ def prepare(srcs: list[str], out: str, cfg: Config, overwrite: bool = False, sto
         report = _finish(out, staging, fs, root, cfg, packed, rejected, read=docs.count() + len(missing), storage=storage)
         stages.update()
     return report
+
+
+def open_output(out: str, storage: dict):
+    """The output's filesystem, checked before any work: options it takes, storage that answers."""
+    try:
+        fs, root = fsspec.core.url_to_fs(out, **storage)
+        fs.exists(root)  # an object store's client is made here, with the options
+    except TypeError as e:
+        raise ConfigError(f"--storage-option for {out}: {e}; pass options of its fsspec filesystem "
+                          f"(for s3://: endpoint_url, key, secret, client_kwargs, ...)") from None
+    except STORAGE_ERRORS as e:
+        raise StorageError(f"cannot reach the output {out}: {describe(e)}; check the endpoint (--storage-option "
+                           f"endpoint_url=..., or AWS_ENDPOINT_URL) and the credentials") from None
+    return fs, root
 
 
 # -- reading -------------------------------------------------------------------

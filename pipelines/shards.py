@@ -99,10 +99,24 @@ def read_manifest(uri: str) -> dict:
             manifest = json.load(f)
     except FileNotFoundError:
         raise ShardError(f"manifest {uri} not found; run `etrain prepare` or set data.source=embedded") from None
-    except json.JSONDecodeError as e:
+    except IsADirectoryError:
+        raise ShardError(f"{uri} is a directory; point data.source at the manifest in it: {uri.rstrip('/')}/manifest.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ShardError(f"manifest {uri} is not valid JSON ({e}); re-run `etrain prepare`") from None
-    if manifest.get("format") != FORMAT:
-        raise ShardError(f"manifest {uri} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ShardError(f"manifest {uri} has format {found!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def training_manifest(uri: str) -> dict:
+    """A manifest a run can train on: a train split to learn from and an eval split to measure on, both with samples."""
+    manifest = read_manifest(uri)
+    splits = manifest.get("splits") if isinstance(manifest.get("splits"), dict) else {}
+    for split in ("train", "eval"):
+        if not (splits.get(split) or {}).get("samples"):
+            raise ShardError(f"manifest {uri} has no {split!r} split with samples (splits: {sorted(splits) or 'none'}); "
+                             f"prepare the data with `etrain prepare`, which writes both (data.eval_fraction sets the eval share)")
     return manifest
 
 

@@ -1,7 +1,8 @@
 """Training samples by global id, streamed through the node's shard cache.
 
-A worker keeps the shards its current step reads (pinned in the node cache,
-memory-mapped here) and lets go of the rest, so the cache can evict them.
+A worker keeps the shards its current step reads (pinned in the node cache
+under its `holder` name, memory-mapped here) and lets go of the rest, so the
+cache can evict them.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from pipelines.shards import decode, read_manifest
 
 
 class StreamingReader:
-    def __init__(self, manifest_uri: str, layout: order.Layout, cache):
+    def __init__(self, manifest_uri: str, layout: order.Layout, cache, holder: str):
         manifest = read_manifest(manifest_uri)
         self.row_len = manifest["seq_len"] + 1
         self.dtype = np.dtype(manifest["token_dtype"])
         self.layout = layout
-        self.cache = cache
+        self.cache, self.holder = cache, holder
         self.views: dict[int, np.ndarray] = {}
 
     def get(self, ids: np.ndarray, cursor: int) -> tuple[np.ndarray, dict]:
@@ -32,13 +33,13 @@ class StreamingReader:
         needed = {int(s) for s in np.unique(shards)}
         stats = {"hits": 0, "misses": 0}
         for shard in sorted(needed - set(self.views)):
-            got = ray.get(self.cache.acquire.remote(shard, cursor))
+            got = ray.get(self.cache.acquire.remote(shard, cursor, self.holder))
             stats["hits" if got["hit"] else "misses"] += 1
             table = pq.read_table(got["path"], columns=["tokens"], memory_map=True)
             self.views[shard] = decode(table, self.row_len, self.dtype)
         for shard in set(self.views) - needed:
             del self.views[shard]
-            self.cache.release.remote(shard)
+            self.cache.release.remote(shard, self.holder)
         out = np.empty((len(ids), self.row_len), dtype=self.dtype)
         for shard in needed:
             mask = shards == shard
@@ -48,5 +49,5 @@ class StreamingReader:
 
     def close(self) -> None:
         for shard in self.views:
-            self.cache.release.remote(shard)
+            self.cache.release.remote(shard, self.holder)
         self.views.clear()

@@ -9,29 +9,46 @@ import pytest
 import ray
 
 from app.config import Config, load_config
+from faults import S3Faults
 
 
 @pytest.fixture(scope="session")
-def s3_server():
-    """moto's S3 on 127.0.0.1, set in the environment before Ray starts so every actor reaches it."""
+def s3_proxy() -> S3Faults:
+    """moto's S3 on 127.0.0.1 behind a fault-injecting proxy (tests/faults.py), which the environment
+    names as the endpoint before Ray starts, so every actor reaches S3 through it."""
     from moto.server import ThreadedMotoServer
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
+    proxy = S3Faults(f"http://127.0.0.1:{port}")
     env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_ENDPOINT_URL": proxy.endpoint, "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    yield env["AWS_ENDPOINT_URL"]
+    yield proxy
+    proxy.close()
     server.stop()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def s3_server(s3_proxy) -> str:
+    """The endpoint every process of the session uses for s3:// (the proxy in front of moto)."""
+    return s3_proxy.endpoint
+
+
+@pytest.fixture
+def s3_faults(s3_proxy) -> S3Faults:
+    """The session's S3 proxy, to fail requests on demand; everything passes again after the test."""
+    yield s3_proxy
+    s3_proxy.reset()
 
 
 @pytest.fixture

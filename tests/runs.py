@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,6 +14,8 @@ import ray
 from app.cli import main
 from app.job import new_run_dir, train
 from app.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Short timeouts so a broken path fails fast; no evaluations or checkpoints unless a test asks. A fixed
 # (equal) split, so runs compare bitwise: speed-based splits depend on timing (tests/test_comm.py has them).
@@ -53,3 +58,21 @@ def run_scaled(make_cfg, name: str, sizes: tuple[int, ...], *overrides: str) -> 
     train(cfg, run_dir, progress=False)
     thread.join(timeout=5)
     return run_dir
+
+
+def start_driver(cfg, tmp_path: Path, *args: str) -> subprocess.Popen:
+    """`etrain train` as its own driver process (as a user or `ray job submit` runs it) on the session's Ray."""
+    config = tmp_path / f"{cfg.run.name}.yaml"
+    config.write_text(cfg.to_yaml())
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    code = "import sys; from app.cli import main; sys.exit(main())"
+    return subprocess.Popen([sys.executable, "-c", code, "train", "--config", str(config), "--no-progress", *args],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(run_dir: Path, step: int, driver: subprocess.Popen) -> None:
+    deadline = time.time() + 120
+    while not (run_dir / "metrics.jsonl").exists() or not any(r["step"] >= step for r in records(run_dir, "train")):
+        assert driver.poll() is None, f"the driver ended before step {step}: {driver.stderr.read()}"
+        assert time.time() < deadline, f"no step {step} within 120 s"
+        time.sleep(0.05)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +45,7 @@ def consume(reader: StreamingReader, layout: order.Layout, epochs: int, batch: i
 def test_streams_exact_rows_within_capacity_with_high_hit_rate(corpus, tmp_path):
     cache, layout = start_cache(corpus, tmp_path)
     assert len(layout.sizes) >= 5, "the test needs more shards than cache slots"
-    reader = StreamingReader(corpus, layout, cache)
+    reader = StreamingReader(corpus, layout, cache, holder="reader")
     direct = ShardReader(corpus, "train", cache_shards=len(layout.sizes))
     peak = 0
     for cursor in range(0, 2 * layout.num_samples, 64):
@@ -62,14 +65,14 @@ def test_workers_of_a_node_share_one_copy(corpus, tmp_path):
     cache, layout = start_cache(corpus, tmp_path)
 
     @ray.remote(num_cpus=0)
-    def read(cursor_range):
-        reader = StreamingReader(corpus, layout, cache)
+    def read(cursor_range, holder):
+        reader = StreamingReader(corpus, layout, cache, holder)
         for cursor in cursor_range:
             reader.get(order.take(layout, cursor, 32), cursor)
         reader.close()
 
     span = range(0, layout.sizes[0] * 2, 32)
-    ray.get([read.remote(span), read.remote(span)])
+    ray.get([read.remote(span, "a"), read.remote(span, "b")])
     stats = ray.get(cache.stats.remote())
     assert stats["fetched_shards"] == len(stats["cached"]) + stats["evicted"]  # each shard fetched once, not per reader
     assert stats["hits"] >= 2  # the second reader found what the first had fetched
@@ -78,7 +81,7 @@ def test_workers_of_a_node_share_one_copy(corpus, tmp_path):
 
 def test_pinned_shards_are_never_evicted_and_overflow_does_not_deadlock(corpus, tmp_path):
     cache, layout = start_cache(corpus, tmp_path, capacity=2)
-    first = [ray.get(cache.acquire.remote(s, 0)) for s in (0, 1, 2)]  # three pins in two slots
+    first = [ray.get(cache.acquire.remote(s, 0, "test")) for s in (0, 1, 2)]  # three pins in two slots
     assert all(Path(f["path"]).exists() for f in first)
     stats = ray.get(cache.stats.remote())
     assert stats["overflows"] >= 1 and {0, 1, 2} <= set(stats["cached"])
@@ -92,6 +95,53 @@ def test_corrupt_source_is_refetched_once_then_named(corpus, tmp_path):
     target.write_bytes(target.read_bytes()[:-5] + b"xxxxx")
     cache, _ = start_cache(str(copy / "manifest.json"), tmp_path)
     with pytest.raises(ShardError, match=entry["path"]):
-        ray.get(cache.acquire.remote(2, 0))
+        ray.get(cache.acquire.remote(2, 0, "test"))
     assert ray.get(cache.stats.remote())["pinned"] == []
-    assert Path(ray.get(cache.acquire.remote(0, 0))["path"]).exists()  # other shards still serve
+    assert Path(ray.get(cache.acquire.remote(0, 0, "test"))["path"]).exists()  # other shards still serve
+
+
+def test_pins_of_a_reader_that_is_gone_are_released_for_it(corpus, tmp_path):
+    """Issue 15, defect 10: a killed worker cannot release its pins; the coordinator releases them for it,
+    so the cache can evict those shards again instead of overflowing its capacity."""
+    cache, _ = start_cache(corpus, tmp_path, capacity=2)
+    ray.get([cache.acquire.remote(s, 0, "killed") for s in (0, 1)])
+    ray.get(cache.acquire.remote(2, 0, "alive"))
+    assert ray.get(cache.stats.remote())["pinned"] == [0, 1, 2]
+    ray.get(cache.release_holder.remote("killed"))
+    assert ray.get(cache.stats.remote())["pinned"] == [2]
+    ray.get(cache.acquire.remote(3, 0, "alive"))
+    stats = ray.get(cache.stats.remote())
+    # The released shards made room: no overflow beyond the three pins above, and both are gone.
+    assert stats["overflows"] == 1 and not {0, 1} & set(stats["cached"])
+
+
+def test_cache_directories_of_dead_processes_are_removed(corpus, tmp_path):
+    """Issue 15, defect 10: a cache's directory is named after its process; the ones a killed coordinator or
+    a Ctrl-C left behind go when the node's next cache starts (a live process's stays)."""
+    root = tmp_path / "cache"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan, live, other = root / f"{'a' * 12}-{dead.pid}", root / f"{'b' * 12}-{os.getpid()}", root / f"keep-{dead.pid}"
+    for d in (orphan, live, other):
+        d.mkdir(parents=True)
+        (d / "000001.parquet").write_bytes(b"x" * 1000)
+    ray.get(start_cache(corpus, tmp_path)[0].stats.remote())
+    assert not orphan.exists() and live.exists() and other.exists()
+
+
+def test_a_brief_object_store_outage_is_retried(make_cfg, s3_bucket, s3_faults, tmp_path, monkeypatch):
+    """Issue 15, defect 11: botocore's connection errors are not OSError, so the cache did not retry them
+    and a brief outage failed the step at once. (One try per request here, so the cache's retries show.)"""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    manifest = ensure_corpus(make_cfg(f"data.cache_dir={s3_bucket}/data"))
+    sizes = tuple(s["samples"] for s in read_manifest(manifest)["splits"]["train"]["shards"])
+    cache = ShardCache(manifest, order.Layout(0, sizes, 1), 3, str(tmp_path / "cache"))
+    with s3_faults.outage():
+        threading.Timer(4.0, lambda: setattr(s3_faults, "down", False)).start()  # s3fs retries ~2 s itself
+        got = cache.acquire(1, 0, "reader")
+    assert Path(got["path"]).exists() and cache.stats()["retries"] >= 1
+    cache.close()
+    s3fs.S3FileSystem.clear_instance_cache()

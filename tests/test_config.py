@@ -36,6 +36,10 @@ def test_override_sets_typed_value():
         ("balance.slow_below=1.5", "config key 'balance.slow_below'"),
         ("faults=[{rank: 0, step: 1, kind: slow, factor: 0.5}]", "config key 'faults.0.factor'"),
         ("train", "must look like section.key=value"),
+        # issue 15, defect 9: values that used to pass
+        ("optim.lr=.inf", "config key 'optim.lr': Input should be a finite number"),
+        ("train.steps=true", "config key 'train.steps': must be a number, not true"),
+        ("faults=[{rank: 5, step: 3}]", "faults[0].rank=5 never fires: the run has at most 2 worker(s)"),
         ("train=3", "is a section"),
     ],
 )
@@ -85,3 +89,20 @@ def test_resume_refuses_changes_to_what_is_trained(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path), "--set", "optim.lr=1"]) == 2
     assert "optim.lr cannot change on resume" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path), "--config", "tiny"]) == 2
+
+
+def test_config_states_the_models_memory_and_warns_beyond_this_machine(capsys):
+    """Issue 15, defect 9: `etrain config` accepted a model of 10^22 parameters without a word."""
+    assert main(["config", "-c", "tiny"]) == 0
+    err = capsys.readouterr().err
+    assert f"model: {load_config('tiny').model.param_count():,} parameters; about 0.03 GiB per worker" in err and "warning" not in err
+    assert main(["config", "-c", "tiny", "--set", "model.d_model=1048576"]) == 0
+    assert "warning: that is more than this machine's" in capsys.readouterr().err
+
+
+def test_param_count_matches_the_model():
+    from app.model import GPT
+
+    for overrides in ([], ["model.positions=learned", "model.tie_weights=false"], ["model.n_layer=3", "model.d_model=96", "model.n_head=3"]):
+        cfg = load_config("tiny", overrides)
+        assert cfg.model.param_count() == GPT(cfg.model).num_params()

@@ -6,22 +6,18 @@ session's Ray instance; checkpoints are written in the background, so a kill can
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import ray
-from runs import FAST, records
+from runs import FAST, records, start_driver, wait_for_step
 
 from app.api import NAMESPACE
 from app.job import new_run_dir, train
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["train.steps=24", "checkpoint.every=6"]
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -29,23 +25,6 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records(run_dir, "train")}
-
-
-def start_driver(cfg, tmp_path: Path) -> subprocess.Popen:
-    config = tmp_path / f"{cfg.run.name}.yaml"
-    config.write_text(cfg.to_yaml())
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    code = "import sys; from app.cli import main; sys.exit(main())"
-    return subprocess.Popen([sys.executable, "-c", code, "train", "--config", str(config), "--no-progress"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for_step(run_dir: Path, step: int, driver: subprocess.Popen) -> None:
-    deadline = time.time() + 120
-    while not (run_dir / "metrics.jsonl").exists() or not any(r["step"] >= step for r in records(run_dir, "train")):
-        assert driver.poll() is None, f"the driver ended before step {step}: {driver.stderr.read()}"
-        assert time.time() < deadline, f"no step {step} within 120 s"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +48,10 @@ def test_killed_job_resumes_exactly(make_cfg, tmp_path, victim, reference):
     else:
         ray.kill(ray.get_actor(f"etrain:{victim}", namespace=NAMESPACE))
     assert driver.wait(timeout=60) != 0
+    if victim == "coordinator":  # the driver names it in one line, with no traceback (issue 15, defect 8)
+        err = driver.stderr.read()
+        assert driver.returncode == 1 and "Traceback" not in err, err
+        assert f"etrain: training failed: the job's coordinator died" in err and f"--resume {run_dir}" in err
     crashed_at = max(losses(run_dir))
     assert crashed_at < 24
 
@@ -79,3 +62,24 @@ def test_killed_job_resumes_exactly(make_cfg, tmp_path, victim, reference):
     assert resumed == reference  # bitwise, across the crash
     resume = records(run_dir, "resume")[0]
     assert resume["step"] in (6, 12, 18) and resume["step"] <= resume["reached_step"] <= crashed_at  # the cursor level lags by a write at most
+
+
+def test_interrupted_before_any_checkpoint_resumes_from_the_start_once(make_cfg, tmp_path, reference):
+    """Issue 15, defects 3 and 8: Ctrl-C ends the driver with one line and exit 130; a resume with no
+    committed checkpoint starts from step 0, moves the steps it redoes aside and says why."""
+    cfg = make_cfg(*FAST, *STEPS, "checkpoint.every=0", "run.name=interrupted")
+    run_dir = Path(cfg.run.root) / cfg.run.name
+    driver = start_driver(cfg, tmp_path)
+    wait_for_step(run_dir, 5, driver)
+    driver.send_signal(signal.SIGINT)
+    assert driver.wait(timeout=60) == 130
+    err = driver.stderr.read()
+    assert "Traceback" not in err and f"etrain: interrupted; resume with `etrain train --resume {run_dir}`" in err, err
+    interrupted_at = max(losses(run_dir))
+
+    train(cfg, run_dir, resume=True, progress=False)
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 25))  # no step twice
+    assert losses(run_dir) == reference
+    resume = records(run_dir, "resume")[0]
+    assert (resume["step"], resume["path"]) == (0, None) and "no committed checkpoint" in resume["reason"]
+    assert resume["records_redone"] >= interrupted_at and (run_dir / "metrics.redone.jsonl").exists()

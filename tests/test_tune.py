@@ -49,6 +49,23 @@ def test_bad_space_exits_2(tmp_path, capsys):
     assert main(["tune", "--resume", "--out", str(tmp_path / "none")]) == 2
 
 
+def test_resume_refuses_a_study_that_others_can_write(tmp_path, capsys):
+    """Issue 15, defect 12: `--resume` unpickles the study (Ray Tune's design), so a pickle someone else
+    could have written would run their code: such a search directory is refused before anything loads."""
+    out = tmp_path / "search"
+    (out / "study").mkdir(parents=True)
+    pickle = out / "study" / "tuner.pkl"
+    pickle.write_bytes(b"not loaded")
+    space = tmp_path / "space.yaml"
+    space.write_text("optim.lr: {loguniform: [1.0e-4, 1.0e-2]}\n")
+    (out / "base.yaml").write_text(load_config("tiny").to_yaml())
+    spec = {"space": str(space), "trials": 2, "concurrency": 1, "seed": 0, "sampler": "tpe", "pruning": True}
+    (out / "search.json").write_text(json.dumps(spec))
+    pickle.chmod(0o666)
+    assert main(["tune", "--resume", "--out", str(out)]) == 2
+    assert f"{pickle} is writable by anyone: resuming a search unpickles its study" in capsys.readouterr().err
+
+
 @pytest.mark.usefixtures("ray_session")
 def test_search_survives_a_failing_trial_and_resumes_after_a_kill(data_dir, tmp_path):
     space = tmp_path / "space.yaml"

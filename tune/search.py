@@ -12,6 +12,7 @@ run again, and a trial that was running continues from its own last checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.optuna import OptunaSearch
 from tqdm import tqdm
 
+from actors.control import why
 from app import checkpoint
 from app.config import Config, ConfigError, override
 from app.job import connect, resolve_data, train
@@ -36,6 +38,8 @@ def run_search(base: Config, space: dict, trials: int, out: Path, concurrency: i
     study = out / "study"
     if resume and not tune.Tuner.can_restore(str(study)):
         raise ConfigError(f"no search to resume under {out} (no {study}/tuner.pkl); start one without --resume")
+    if resume:
+        check_trusted(out)
     if not resume and study.exists():
         raise ConfigError(f"{out} already holds a search; continue it with --resume, or choose another --out")
     if pruning and base.train.eval_every == 0:
@@ -57,6 +61,17 @@ def run_search(base: Config, space: dict, trials: int, out: Path, concurrency: i
     if best is not None:
         (out / "best.yaml").write_text(override(base, {**best["params"], "run.name": None}).to_yaml())
     return rows
+
+
+def check_trusted(out: Path) -> None:
+    """Resuming unpickles the study (Ray Tune's design: tuner.pkl, the searcher's state), and a pickle runs
+    code. Refuse a search directory, study or pickle that another user owns or that anyone may write."""
+    for path in [out, out / "study", *sorted((out / "study").rglob("*.pkl"))]:
+        st = path.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o002:
+            who = f"owned by uid {st.st_uid}" if st.st_uid != os.getuid() else "writable by anyone"
+            raise ConfigError(f"{path} is {who}: resuming a search unpickles its study, which runs code from these files; "
+                              f"resume only a search directory that you wrote and others cannot write (chmod o-w), or start a new one")
 
 
 def _tune_config(base: Config, space: dict, trials: int, concurrency: int, seed: int, sampler: str, pruning: bool) -> tune.TuneConfig:
@@ -120,7 +135,7 @@ def table(grid, keys: list[str], steps: int, runs: Path) -> list[dict]:
         number = _name_part(result.path, 3)
         rows.append({"trial": trial, "number": int(number) if number and number.isdigit() else None, "params": params,
                      METRIC: metrics.get(METRIC), "steps": reached, "status": status,
-                     "error": _why(result.error) if result.error else None})
+                     "error": why(result.error) if result.error else None})
     order = {"completed": 0, "pruned": 1, "failed": 2}
     return sorted(rows, key=lambda r: (order[r["status"]], r[METRIC] if r[METRIC] is not None else float("inf")))
 
@@ -129,13 +144,6 @@ def _name_part(path: str | None, index: int) -> str | None:
     """Tune names a trial's directory _trial_ID_NUMBER_params_date: 2 is the id, 3 the position in the search."""
     parts = Path(path).name.split("_") if path else []
     return parts[index] if len(parts) > index else None
-
-
-def _why(error: BaseException) -> str:
-    """The failing exception's own message, not Ray's wrapper around it."""
-    cause = getattr(error, "cause", None) or error
-    lines = [line for line in str(cause).splitlines() if line.strip()]
-    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"[:300]
 
 
 def format_table(rows: list[dict]) -> str:
