@@ -389,8 +389,8 @@ class Coordinator:
                     failed = failed or e
         if not failed and not pending:
             return [results[r] for r in refs]
-        why = getattr(failed, "cause", failed) if failed else f"no result within timeouts.step_s={self.cfg.timeouts.step_s}"
-        lost = self._find_lost(f"step {self.step + 1}", why)
+        cause = getattr(failed, "cause", failed) if failed else f"no result within timeouts.step_s={self.cfg.timeouts.step_s}"
+        lost = self._find_lost(f"step {self.step + 1}", cause)
         survivors = [ref for w, ref in zip(self.workers, refs) if w not in lost]
         # Survivors that finished had every share in their all-reduce; with no survivor, nobody finished the step.
         survivors_done = bool(survivors) and all(ref in results for ref in survivors)
@@ -415,7 +415,7 @@ class Coordinator:
         """Stop workers for good, and release the shard-cache pins they held (a killed reader cannot)."""
         for w in workers:
             ray.kill(w)
-            for cache in self.caches.values():
+            for cache in self.caches.values():  # a reader's holder name is its actor id (no public accessor on a handle)
                 cache.release_holder.remote(w._actor_id.hex())
 
     def _faults_for(self, step: int) -> dict[int, dict]:

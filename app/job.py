@@ -53,8 +53,8 @@ def durable(path: Path, key: str) -> Path:
     if path.is_relative_to(temp) or "runtime_resources" in path.parts:
         raise ConfigError(f"{key} resolves to {path}, inside Ray's temporary directory ({temp}; under `ray job submit "
                           f"--working-dir` a relative path lands in the unpacked package), which is deleted with the Ray "
-                          f"session: set {key} to an absolute path on durable storage (e.g. --set {key}=/home/ray/runs), "
-                          f"and on a multi-node cluster checkpoint.uri to shared storage (s3://...)")
+                          f"session: give it an absolute path on durable storage (e.g. --set run.root=/home/ubuntu/runs), "
+                          f"and on a multi-node cluster set checkpoint.uri to shared storage (s3://...)")
     return path
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import fsspec
 
 from app.config import ConfigError
-from app.storage import STORAGE_ERRORS, describe
+from app.storage import STORAGE_ERRORS, StorageError, describe
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,14 @@ class Lease:
 def acquire(root: str, run: str, ttl_s: float) -> Lease:
     """The run's lease, or RunBusy naming the live owner. A stale lease is taken over with a warning."""
     path = posixpath.join(root.rstrip("/"), LEASE)
+    try:
+        return _take(path, run, ttl_s)
+    except STORAGE_ERRORS as e:
+        raise StorageError(f"cannot take the run's lease {path}: {describe(e)}; the checkpoint location (checkpoint.uri, "
+                           f"default RUN/checkpoints) must be reachable and writable") from None
+
+
+def _take(path: str, run: str, ttl_s: float) -> Lease:
     for _ in range(3):  # another taker swapped first: look again
         held, version = _read(path)
         if held is not None and not _stale(held):

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+
 import pytest
+from faults import immutable
 from runs import FAST, records
 
-from actors.coordinator import JobError
+from actors.control import JobError
 from app import checkpoint
 from app.job import new_run_dir, train
+from app.storage import StorageError
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -40,10 +46,28 @@ def test_levels_follow_their_cadences_and_a_light_resume_says_where_its_optimize
 
 
 def test_a_checkpoint_that_cannot_be_written_is_recorded_and_only_the_final_one_fails_the_job(make_cfg, tmp_path):
+    """Storage that refuses once the run is going: each save is recorded as failed and training goes on;
+    only the final save fails the job. (Storage unwritable from the start stops it at once: the lease.)"""
     (tmp_path / "blocked").write_text("a file where the checkpoint directory should be")
-    cfg = make_cfg(*FAST, "run.name=blocked", "train.steps=6", "checkpoint.every=3", f"checkpoint.uri={tmp_path / 'blocked' / 'ck'}")
+    blocked = make_cfg(*FAST, "run.name=blocked", f"checkpoint.uri={tmp_path / 'blocked' / 'ck'}")
+    with pytest.raises(StorageError, match=f"cannot take the run's lease {tmp_path / 'blocked' / 'ck'}"):
+        train(blocked, new_run_dir(blocked), progress=False)
+
+    # Slowed steps (rank 0 computes 5x as long) leave time to lock the checkpoint root after step 1.
+    cfg = make_cfg(*FAST, "run.name=refused", "train.steps=12", "checkpoint.every=4", "faults=[{rank: 0, step: 1, kind: slow, factor: 5}]")
     run_dir = new_run_dir(cfg)
-    with pytest.raises(JobError, match="final checkpoint could not be written"):
-        train(cfg, run_dir, progress=False)
-    assert [r["step"] for r in records(run_dir, "checkpoint_failed")] == [3, 6]
-    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 7))  # training went on past the failed save
+    root = run_dir / "checkpoints"
+
+    def lock_after_the_first_step():
+        while not (run_dir / "metrics.jsonl").exists() or not records(run_dir, "train"):
+            time.sleep(0.01)
+        locked.enter_context(immutable(root))
+
+    with contextlib.ExitStack() as locked:
+        thread = threading.Thread(target=lock_after_the_first_step, daemon=True)
+        thread.start()
+        with pytest.raises(JobError, match="final checkpoint could not be written"):
+            train(cfg, run_dir, progress=False)
+        thread.join()
+    assert [r["step"] for r in records(run_dir, "checkpoint_failed")] == [4, 8, 12]
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 13))  # training went on past the failed saves

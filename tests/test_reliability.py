@@ -186,9 +186,13 @@ def test_a_bad_data_source_is_one_line_exit_2(make_cfg, tmp_path, capsys, case):
     assert expected in err and "Traceback" not in err
 
 
-def test_prepare_names_a_bad_storage_option_and_an_unreachable_endpoint(tmp_path, s3_bucket, s3_faults, capsys):
+def test_prepare_names_a_bad_storage_option_and_an_unreachable_endpoint(tmp_path, s3_bucket, s3_faults, capsys, monkeypatch):
     """Defect 8: `etrain prepare` with an unknown --storage-option (TypeError) or to an endpoint that does
     not answer (EndpointConnectionError) now ends in one line before any work starts."""
+    import s3fs
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's own retries would take ~15 s to give up
+    s3fs.S3FileSystem.clear_instance_cache()
     src = tmp_path / "doc.txt"
     src.write_text("words " * 50)
     assert main(["prepare", str(src), "--out", f"{s3_bucket}/p", "--storage-option", "bogus=1", "--no-progress"]) == 2
@@ -197,6 +201,7 @@ def test_prepare_names_a_bad_storage_option_and_an_unreachable_endpoint(tmp_path
         assert main(["prepare", str(src), "--out", f"{s3_bucket}/q", "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert f"cannot reach the output {s3_bucket}/q" in err and "Traceback" not in err
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def test_a_model_too_big_is_refused_and_a_worker_that_cannot_start_says_why(make_cfg, tmp_path, capsys):
