@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)  ## train the tiny GPT on the embedded corpus with 2 workers on a local Ray
 	$(VENV)/bin/etrain train --config tiny
 
-test: $(STAMP)  ## the whole test suite on one shared local Ray instance
+test: $(STAMP)  ## lint and format check (ruff), then the whole test suite on one shared local Ray instance
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
 
 bench: $(STAMP)  ## throughput vs plain torch and Ray Train, written to bench/results/

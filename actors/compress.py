@@ -21,8 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 MODES = ("none", "fp16", "bf16", "powersgd", "topk")
 SEGMENT = 32768  # top-k picks per segment, so a local index fits an int16 (sent as bytes: gloo has no int16)
 _FP16_MAX = torch.finfo(torch.float16).max
-_TORCH_HOOKS = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
-                "bf16": default_hooks.bf16_compress_hook}
+_TORCH_HOOKS = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 
 
 class GradSync:
@@ -71,6 +70,7 @@ class GradSync:
 
     def _counted(self, hook, sent_bytes):
         """Wrap `hook` to count; bytes are computed before it runs, as PowerSGD's hook advances its own step."""
+
         def counted_hook(state, bucket):  # unannotated: DDP rejects the string annotations of __future__
             sent = sent_bytes(state, bucket)
             with self._lock:
@@ -78,6 +78,7 @@ class GradSync:
                 self._dense += bucket.buffer().nbytes
                 self._last_ready = time.perf_counter()
             return hook(state, bucket)
+
         return counted_hook
 
     def _in_order(self, hook):
@@ -94,6 +95,7 @@ class GradSync:
             fut = torch.futures.Future()
             self._one_thread.submit(_settle, fut, hook, state, bucket)
             return fut
+
         return ordered_hook
 
     def _cast_bytes(self, _, bucket: dist.GradBucket) -> int:
@@ -175,7 +177,7 @@ def topk_compress(g: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Te
     """
     local = []
     for start, rows, cols, k in _blocks(g.numel(), ratio):
-        segments = g[start:start + rows * cols].view(rows, cols)
+        segments = g[start : start + rows * cols].view(rows, cols)
         local.append(segments.abs().topk(k, dim=1, sorted=False).indices.flatten())
     local = torch.cat(local)
     at = local + _segment_starts(g.numel(), ratio).to(g.device)
@@ -193,6 +195,6 @@ def topk_decompress(gathered: torch.Tensor, numel: int, ratio: float) -> torch.T
     at_start = _segment_starts(numel, ratio).to(gathered.device)
     dense = torch.zeros(numel, device=gathered.device)
     for payload in gathered.view(-1, 4 * k):
-        local = payload[:2 * k].view(torch.int16).long()
-        dense.index_add_(0, local + at_start, payload[2 * k:].view(torch.float16).float())
+        local = payload[: 2 * k].view(torch.int16).long()
+        dense.index_add_(0, local + at_start, payload[2 * k :].view(torch.float16).float())
     return dense

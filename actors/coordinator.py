@@ -133,8 +133,7 @@ class Coordinator:
             if self.cfg.comm.zero and self._latest_checkpoint() is None:
                 self._checkpoint()  # something to go back to when a worker is lost with its optimizer shard
             self._refill()
-            handlers = {State.RUNNING: self._run_step, State.CHECKPOINTING: self._checkpoint,
-                        State.RESIZING: self._resize, State.RECOVERING: self._recover}
+            handlers = {State.RUNNING: self._run_step, State.CHECKPOINTING: self._checkpoint, State.RESIZING: self._resize, State.RECOVERING: self._recover}
             while (state := self._decide()) not in (State.FINISHED, State.FAILED):
                 handlers[state]()
             self.saver.finish()
@@ -172,20 +171,35 @@ class Coordinator:
 
     def status(self) -> dict:
         """Where the run stands (the Python API and `etrain scale` show this)."""
-        members = [{"rank": r, "node": self.nodes.get(w), "pid": self.pids.get(w), "speed": self.balancer.speeds.get(w)}
-                   for r, w in enumerate(self.workers)]
+        members = [{"rank": r, "node": self.nodes.get(w), "pid": self.pids.get(w), "speed": self.balancer.speeds.get(w)} for r, w in enumerate(self.workers)]
         with self._lock:
             train, evaluated, saved = (self.latest.get(k, {}) for k in ("train", "eval", "checkpoint"))
             eta = _eta(list(self._commits), self.cfg.train.steps - self.step)
-        return {"run": self.run_dir.name, "run_dir": str(self.run_dir), "phase": self.phase.value, "step": self.step,
-                "total_steps": self.cfg.train.steps, "eta_s": eta, "elapsed_s": time.time() - self.started_at,
-                "loss": train.get("loss"), "eval_loss": evaluated.get("eval_loss"), "tokens_per_s": train.get("tokens_per_s"),
-                "mfu": train.get("mfu"), "last_checkpoint": {k: saved[k] for k in ("step", "level", "path")} if saved else None,
-                "world_size": len(self.workers), "wanted": self.wanted,
-                "autoscaling": self.autoscaling, "warm_pool_ready": self.pool.ready(), "warm_pool_size": len(self.pool.idle),
-                "recoveries": self.recoveries, "generation": self.generation, "draining_nodes": sorted(self.draining),
-                "balanced": self.balancer.balanced, "comm": self.cfg.comm.mode,
-                "members": members}
+        return {
+            "run": self.run_dir.name,
+            "run_dir": str(self.run_dir),
+            "phase": self.phase.value,
+            "step": self.step,
+            "total_steps": self.cfg.train.steps,
+            "eta_s": eta,
+            "elapsed_s": time.time() - self.started_at,
+            "loss": train.get("loss"),
+            "eval_loss": evaluated.get("eval_loss"),
+            "tokens_per_s": train.get("tokens_per_s"),
+            "mfu": train.get("mfu"),
+            "last_checkpoint": {k: saved[k] for k in ("step", "level", "path")} if saved else None,
+            "world_size": len(self.workers),
+            "wanted": self.wanted,
+            "autoscaling": self.autoscaling,
+            "warm_pool_ready": self.pool.ready(),
+            "warm_pool_size": len(self.pool.idle),
+            "recoveries": self.recoveries,
+            "generation": self.generation,
+            "draining_nodes": sorted(self.draining),
+            "balanced": self.balancer.balanced,
+            "comm": self.cfg.comm.mode,
+            "members": members,
+        }
 
     def request_scale(self, workers: int) -> None:
         """Ask for `workers` members; they join at step boundaries as ready workers allow.
@@ -203,8 +217,13 @@ class Coordinator:
     def _decide(self) -> State:
         self._watch_cluster()
         obs = Observation(
-            step=self.step, total_steps=self.cfg.train.steps, world=len(self.workers), target=self._target(),
-            lost=len(self.lost), recoveries=self.recoveries, max_recoveries=self.cfg.cluster.max_recoveries,
+            step=self.step,
+            total_steps=self.cfg.train.steps,
+            world=len(self.workers),
+            target=self._target(),
+            lost=len(self.lost),
+            recoveries=self.recoveries,
+            max_recoveries=self.cfg.cluster.max_recoveries,
             checkpoint_due=self.saver.level(self.step) is not None and self.saved_step != self.step,
             evict=sum(self.nodes.get(w) in self.draining for w in self.workers),
         )
@@ -278,8 +297,10 @@ class Coordinator:
         shares = order.plan_step(self.layout, self.cursor, batch, weights)
         faults = self._faults_for(self.step + 1)
         limit = self.norms.limit(self.cfg.train.outlier_sigmas, self.cfg.train.outlier_warmup)
-        refs = [w.train_step.remote(self.step, s, batch, self.cursor, faults.get(rank), self.lr_scale, limit)
-                for rank, (w, s) in enumerate(zip(self.workers, shares))]
+        refs = [
+            w.train_step.remote(self.step, s, batch, self.cursor, faults.get(rank), self.lr_scale, limit)
+            for rank, (w, s) in enumerate(zip(self.workers, shares))
+        ]
         results = self._collect(refs, started)
         if not all(r["finite"] for r in results):
             self._diverged()
@@ -292,8 +313,9 @@ class Coordinator:
             self.balancer.observe(worker, result["samples"], result["compute_s"])
         self.saver.observe(results)
         if self.balancer.balanced != was_balanced:
-            self._record({"kind": "balance", "step": self.step + 1, "balanced": self.balancer.balanced,
-                          "shares": [len(s) for s in shares], "time": time.time()})
+            self._record(
+                {"kind": "balance", "step": self.step + 1, "balanced": self.balancer.balanced, "shares": [len(s) for s in shares], "time": time.time()}
+            )
         self._commit(results, time.perf_counter() - started)
 
     def _diverged(self) -> None:
@@ -301,9 +323,11 @@ class Coordinator:
         failed = self.step + 1
         self.nan_rollbacks += 1
         if self.nan_rollbacks > self.cfg.train.max_nan_rollbacks:
-            raise JobError(f"the gradient at step {failed} is not finite after {self.cfg.train.max_nan_rollbacks} rollbacks "
-                           f"(train.max_nan_rollbacks), each halving the lr; lower optim.lr or check the data, "
-                           f"then resume with `etrain train --resume {self.run_dir}`")
+            raise JobError(
+                f"the gradient at step {failed} is not finite after {self.cfg.train.max_nan_rollbacks} rollbacks "
+                f"(train.max_nan_rollbacks), each halving the lr; lower optim.lr or check the data, "
+                f"then resume with `etrain train --resume {self.run_dir}`"
+            )
         self.lr_scale /= 2
         whole = self._rollback("a non-finite gradient")
         self._gather([w.load_state.remote(whole, self.step) for w in self.workers], "state load", self.cfg.timeouts.join_s)
@@ -321,8 +345,17 @@ class Coordinator:
                 sources[k]["documents"] = names
         append_jsonl(self.run_dir / "quarantine.jsonl", {"step": self.step + 1, "grad_norm": grad_norm, "limit": limit, "samples": sources})
         restarted = self.norms.reject(self.cfg.train.outlier_patience)
-        self._record({"kind": "outlier", "step": self.step + 1, "grad_norm": grad_norm, "limit": limit, "samples": len(ids),
-                      "guard_restarted": restarted, "time": time.time()})
+        self._record(
+            {
+                "kind": "outlier",
+                "step": self.step + 1,
+                "grad_norm": grad_norm,
+                "limit": limit,
+                "samples": len(ids),
+                "guard_restarted": restarted,
+                "time": time.time(),
+            }
+        )
 
     def _commit(self, results: list[dict] | None, elapsed: float | None) -> None:
         batch = self.cfg.batch_at(len(self.workers))  # the membership that ran the step: changes come after
@@ -333,12 +366,18 @@ class Coordinator:
         if results is not None:  # None: committed by survivors whose all-reduce had every share in it
             tokens = batch * self.cfg.model.seq_len
             record |= {
-                "loss": sum(r["loss"] for r in results), "lr": results[0]["lr"], "grad_norm": results[0]["grad_norm"],
+                "loss": sum(r["loss"] for r in results),
+                "lr": results[0]["lr"],
+                "grad_norm": results[0]["grad_norm"],
                 "skipped": results[0]["skipped"],
-                "tokens_per_s": tokens / elapsed, "step_time_s": elapsed, "worker_s": max(r["worker_s"] for r in results),
+                "tokens_per_s": tokens / elapsed,
+                "step_time_s": elapsed,
+                "worker_s": max(r["worker_s"] for r in results),
                 "mfu": self.mfu(tokens / elapsed),
-                "shares": [r["samples"] for r in results], "speeds": [round(r["samples"] / max(r["compute_s"], 1e-9), 2) for r in results],
-                "comm_bytes": sum(r["comm_bytes"] for r in results), "dense_bytes": sum(r["dense_bytes"] for r in results),
+                "shares": [r["samples"] for r in results],
+                "speeds": [round(r["samples"] / max(r["compute_s"], 1e-9), 2) for r in results],
+                "comm_bytes": sum(r["comm_bytes"] for r in results),
+                "dense_bytes": sum(r["dense_bytes"] for r in results),
                 "optimizer_bytes": [r["optimizer_bytes"] for r in results],
                 **self._data_metrics([r["data"] for r in results]),
             }
@@ -463,9 +502,17 @@ class Coordinator:
         joiners = self.pool.take(joining) if joining > 0 else []
         phases["acquire"] = time.perf_counter() - t
         self._close_event(stepped=False)
-        event = {"kind": "membership", "reason": reason, "step": self.step, "world_before": len(self.workers),
-                 "world_after": len(members) + len(joiners), "lost": lost, "joiners": len(joiners),
-                 "joiner_nodes": [self.nodes.get(w) for w in joiners], "draining_nodes": sorted(self.draining)}
+        event = {
+            "kind": "membership",
+            "reason": reason,
+            "step": self.step,
+            "world_before": len(self.workers),
+            "world_after": len(members) + len(joiners),
+            "lost": lost,
+            "joiners": len(joiners),
+            "joiner_nodes": [self.nodes.get(w) for w in joiners],
+            "draining_nodes": sorted(self.draining),
+        }
         if not members + joiners:
             raise JobError(f"no worker left and none ready in the warm pool; resume with `etrain train --resume {self.run_dir}`")
         self.balancer.forget(members + joiners)
@@ -501,8 +548,10 @@ class Coordinator:
         """Back to the last committed checkpoint: its parts as a ref; the cursor and records follow."""
         ckpt = self._latest_checkpoint()
         if ckpt is None:
-            raise JobError(f"{why} needs a checkpoint to go back to, and there is none under {self.ckpt_uri} yet; "
-                           f"set checkpoint.every lower, then resume with `etrain train --resume {self.run_dir}`")
+            raise JobError(
+                f"{why} needs a checkpoint to go back to, and there is none under {self.ckpt_uri} yet; "
+                f"set checkpoint.every lower, then resume with `etrain train --resume {self.run_dir}`"
+            )
         self._rewind(ckpt, "rollback")
         return ray.put(ckpt.parts)
 
@@ -550,8 +599,9 @@ class Coordinator:
         try:
             return ray.get(refs, timeout=self.cfg.timeouts.join_s)
         except ray.exceptions.GetTimeoutError:
-            raise JobError(f"{what} did not finish within {self.cfg.timeouts.join_s:.0f} s (timeouts.join_s); a worker is hung "
-                           f"or the cluster lacks resources") from None
+            raise JobError(
+                f"{what} did not finish within {self.cfg.timeouts.join_s:.0f} s (timeouts.join_s); a worker is hung or the cluster lacks resources"
+            ) from None
         except ray.exceptions.RayActorError as e:
             if e.actor_init_failed:  # the same config would fail the same way in a replacement
                 raise JobError(_could_not_start(e)) from None
@@ -598,14 +648,31 @@ class Coordinator:
         self.norms = NormWatch(**meta.get("norms", {}))
         base = ckpt.base if ckpt is not None else None
         if base is not None:
-            log.warning("%s from the light checkpoint %s: weights of step %d, optimizer, scheduler and scaler state of the "
-                        "full checkpoint %s (step %d); the run does not follow the uninterrupted trajectory exactly",
-                        kind, ckpt.path, meta["step"], base, meta["base_step"])
+            log.warning(
+                "%s from the light checkpoint %s: weights of step %d, optimizer, scheduler and scaler state of the "
+                "full checkpoint %s (step %d); the run does not follow the uninterrupted trajectory exactly",
+                kind,
+                ckpt.path,
+                meta["step"],
+                base,
+                meta["base_step"],
+            )
         reason = "the latest committed checkpoint" if ckpt is not None else f"no committed checkpoint under {self.ckpt_uri}: from the start"
         moved = truncate_after(self.run_dir / "metrics.jsonl", self.step)
-        self._record({"kind": kind, "step": self.step, "path": ckpt.path if ckpt is not None else None, "level": meta["level"],
-                      "base": base, "reason": reason, "reached_step": reached, "records_redone": moved, "load_s": load_s,
-                      "time": time.time()})
+        self._record(
+            {
+                "kind": kind,
+                "step": self.step,
+                "path": ckpt.path if ckpt is not None else None,
+                "level": meta["level"],
+                "base": base,
+                "reason": reason,
+                "reached_step": reached,
+                "records_redone": moved,
+                "load_s": load_s,
+                "time": time.time(),
+            }
+        )
 
     def _stop(self) -> None:
         self.keeper.stop()
@@ -654,8 +721,15 @@ class Coordinator:
         self._record({"kind": "eval", "step": self.step, "eval_loss": loss, "time": time.time()})
 
     def _checkpoint(self) -> None:
-        meta = {"cursor": self.cursor, "config_hash": self.cfg.hash(), "config": self.cfg.model_dump(), "world_size": len(self.workers),
-                "lr_scale": self.lr_scale, "norms": self.norms.state(), "balance": self.balancer.state(self.workers)}
+        meta = {
+            "cursor": self.cursor,
+            "config_hash": self.cfg.hash(),
+            "config": self.cfg.model_dump(),
+            "world_size": len(self.workers),
+            "lr_scale": self.lr_scale,
+            "norms": self.norms.state(),
+            "balance": self.balancer.state(self.workers),
+        }
         started = time.perf_counter()
         if self.saver.begin(self.step, self.workers, self._sharded(), meta, self._gather_members):
             self.saved_step = self.step
@@ -691,8 +765,10 @@ def _could_not_start(error: ray.exceptions.RayActorError) -> str:
     """A worker's constructor failed: its own exception, and what to do about it."""
     said = why(error)
     if any(m in said.lower() for m in ("allocate", "out of memory", "outofmemory")):
-        return (f"a worker could not start: {said}; the model does not fit a worker's memory: lower model.d_model, "
-                f"model.n_layer or train.micro_batch (`etrain config` prints the estimate), or use larger nodes")
+        return (
+            f"a worker could not start: {said}; the model does not fit a worker's memory: lower model.d_model, "
+            f"model.n_layer or train.micro_batch (`etrain config` prints the estimate), or use larger nodes"
+        )
     return f"a worker could not start: {said}; fix the cause, then start the job again"
 
 

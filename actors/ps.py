@@ -78,8 +78,16 @@ class _Round:
 class ParamShard:
     """A shard's parameters, their AdamW state, and the open round of pushes."""
 
-    def __init__(self, params: dict[str, torch.Tensor], optim_cfg: dict, total_steps: int, workers: int,
-                 window_s: float = 0.3, max_staleness: int = 2, samples_per_step: int = 1):
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        optim_cfg: dict,
+        total_steps: int,
+        workers: int,
+        window_s: float = 0.3,
+        max_staleness: int = 2,
+        samples_per_step: int = 1,
+    ):
         if not params:
             raise ValueError("a parameter shard needs at least one parameter")
         if window_s < 0 or max_staleness < 0:
@@ -109,8 +117,10 @@ class ParamShard:
             await self._round.done.wait()
         staleness = self.version - base_version
         if staleness > self.max_staleness:
-            raise ValueError(f"worker {worker}'s gradient is {staleness} versions stale (base {base_version}, now "
-                             f"{self.version}), over max_staleness={self.max_staleness}: pull before each push")
+            raise ValueError(
+                f"worker {worker}'s gradient is {staleness} versions stale (base {base_version}, now "
+                f"{self.version}), over max_staleness={self.max_staleness}: pull before each push"
+            )
         rnd = self._round
         self._fold(rnd, worker, base_version, grads, samples, staleness)
         self._maybe_close()
@@ -143,11 +153,13 @@ class ParamShard:
         """Applied parameters and AdamW moments by name; pushes in the open round are not part of it."""
         optim = {}
         for name, p in self._params.items():
-            s = self._opt.state.get(p) or {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                           "exp_avg_sq": torch.zeros_like(p)}  # what AdamW starts from
+            s = self._opt.state.get(p) or {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }  # what AdamW starts from
             optim[name] = {k: s[k].detach().clone() for k in ("step", "exp_avg", "exp_avg_sq")}
-        return {"version": self.version, "samples": self.samples, "optim": optim,
-                "params": {n: p.detach().clone() for n, p in self._params.items()}}
+        return {"version": self.version, "samples": self.samples, "optim": optim, "params": {n: p.detach().clone() for n, p in self._params.items()}}
 
     def load(self, state: dict) -> None:
         """Restore a state(); a parameter missing from state["optim"] starts its AdamW moments afresh.
@@ -168,8 +180,7 @@ class ParamShard:
                 p.copy_(params[name])
                 self._opt.state.pop(p, None)
                 if name in moments:
-                    self._opt.state[p] = {k: moments[name][k].detach().to(torch.float32).clone()
-                                          for k in ("step", "exp_avg", "exp_avg_sq")}
+                    self._opt.state[p] = {k: moments[name][k].detach().to(torch.float32).clone() for k in ("step", "exp_avg", "exp_avg_sq")}
         self.version = int(state["version"])
         self.samples = int(state.get("samples", 0))
         self._bases = {}
@@ -187,8 +198,7 @@ class ParamShard:
         if tuple(t.shape) != tuple(self._params[name].shape):
             raise ValueError(f"parameter {name!r}: got shape {tuple(t.shape)}, expected {tuple(self._params[name].shape)}")
 
-    def _fold(self, rnd: _Round, worker: int, base: int, grads: dict[str, torch.Tensor], samples: int,
-              staleness: int) -> None:
+    def _fold(self, rnd: _Round, worker: int, base: int, grads: dict[str, torch.Tensor], samples: int, staleness: int) -> None:
         if not rnd.pushers:
             rnd.timer = asyncio.get_running_loop().create_task(self._window(rnd))
             rnd.grads = {n: g.clone() for n, g in grads.items()}  # a copy: Ray's tensors may be read-only
@@ -220,8 +230,7 @@ class ParamShard:
 
     def _lagging(self, rnd: _Round) -> list[int]:
         """Computing members outside the round that one more version would push past max_staleness."""
-        return [w for w, base in self._bases.items()
-                if w < self.workers and w not in rnd.pushers and base <= self.version - self.max_staleness]
+        return [w for w, base in self._bases.items() if w < self.workers and w not in rnd.pushers and base <= self.version - self.max_staleness]
 
     def _close(self, by_window: bool) -> None:
         rnd = self._round

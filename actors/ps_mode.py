@@ -45,11 +45,30 @@ class PSTraining:
         names = assign_shards({n: tuple(t.shape) for n, t in params.items()}, comm.ps_shards)
         actor = ray.remote(ParamShard).options(num_cpus=0, max_concurrency=256, scheduling_strategy="SPREAD")
         optim = coord.cfg.optim.model_dump()
-        self.shards = [actor.remote({n: params[n] for n in part}, optim, coord.cfg.train.steps, len(coord.workers),
-                                    comm.ps_window_s, comm.ps_max_staleness, coord.cfg.train.global_batch) for part in names]
+        self.shards = [
+            actor.remote(
+                {n: params[n] for n in part},
+                optim,
+                coord.cfg.train.steps,
+                len(coord.workers),
+                comm.ps_window_s,
+                comm.ps_max_staleness,
+                coord.cfg.train.global_batch,
+            )
+            for part in names
+        ]
         if restored is not None:  # the optimizer moments travel with their parameters
-            loads = [s.load.remote({"version": coord.step, "samples": coord.cursor, "params": {n: params[n] for n in part},
-                                    "optim": {n: moments[n] for n in part if n in moments}}) for s, part in zip(self.shards, names)]
+            loads = [
+                s.load.remote(
+                    {
+                        "version": coord.step,
+                        "samples": coord.cursor,
+                        "params": {n: params[n] for n in part},
+                        "optim": {n: moments[n] for n in part if n in moments},
+                    }
+                )
+                for s, part in zip(self.shards, names)
+            ]
             coord._gather(loads, "shard load")
         coord._gather([w.ps_attach.remote(self.shards, names, i) for i, w in enumerate(coord.workers)], "shard attach")
 
@@ -57,8 +76,10 @@ class PSTraining:
         """Hand out batches until train.steps × global_batch samples are applied; evaluate and checkpoint at quiet points."""
         coord = self.coord
         if coord.cursor != coord.step * coord.cfg.train.global_batch:
-            raise JobError(f"checkpoint at step {coord.step} has cursor {coord.cursor}, not {coord.step} global batches "
-                           "(it was made with train.batch_scaling=linear); parameter-server mode cannot go on from it")
+            raise JobError(
+                f"checkpoint at step {coord.step} has cursor {coord.cursor}, not {coord.step} global batches "
+                "(it was made with train.batch_scaling=linear); parameter-server mode cannot go on from it"
+            )
         while coord.step < coord.cfg.train.steps:
             self._train_until(self._next_quiet_step() * coord.cfg.train.global_batch)
             coord._gather([w.ps_pull.remote(computing=False) for w in coord.workers], "parameter pull")
@@ -106,21 +127,33 @@ class PSTraining:
         staleness = [p["staleness"] for p in pushes]
         coord.step = coord.cursor // coord.cfg.train.global_batch
         coord.first_step_at = coord.first_step_at or time.time()
-        coord._record({
-            "kind": "train", "step": coord.step, "world_size": len(coord.workers), "batch": samples, "samples": coord.cursor,
-            "loss": sum(p["loss"] * p["samples"] for p in pushes) / samples, "lr": pushes[-1]["lr"],
-            "grad_norm": float(np.mean([p["grad_norm"] for p in pushes])), "step_time_s": elapsed,
-            "tokens_per_s": samples * coord.cfg.model.seq_len / elapsed, "mfu": coord.mfu(samples * coord.cfg.model.seq_len / elapsed),
-            "worker_s": max(p["worker_s"] for p in pushes),
-            "shares": [p["samples"] for p in pushes], "pushes": len(pushes), "max_staleness": max(staleness),
-            "mean_staleness": float(np.mean(staleness)), "version": max(p["version"] for p in pushes), "time": time.time(),
-        })
+        coord._record(
+            {
+                "kind": "train",
+                "step": coord.step,
+                "world_size": len(coord.workers),
+                "batch": samples,
+                "samples": coord.cursor,
+                "loss": sum(p["loss"] * p["samples"] for p in pushes) / samples,
+                "lr": pushes[-1]["lr"],
+                "grad_norm": float(np.mean([p["grad_norm"] for p in pushes])),
+                "step_time_s": elapsed,
+                "tokens_per_s": samples * coord.cfg.model.seq_len / elapsed,
+                "mfu": coord.mfu(samples * coord.cfg.model.seq_len / elapsed),
+                "worker_s": max(p["worker_s"] for p in pushes),
+                "shares": [p["samples"] for p in pushes],
+                "pushes": len(pushes),
+                "max_staleness": max(staleness),
+                "mean_staleness": float(np.mean(staleness)),
+                "version": max(p["version"] for p in pushes),
+                "time": time.time(),
+            }
+        )
 
     def state(self) -> tuple[dict, dict]:
         """Every shard's parameters and optimizer moments, merged by name."""
         states = self.coord._gather([s.state.remote() for s in self.shards], "shard state")
-        return ({n: t for st in states for n, t in st["params"].items()},
-                {n: m for st in states for n, m in st["optim"].items()})
+        return ({n: t for st in states for n, t in st["params"].items()}, {n: m for st in states for n, m in st["optim"].items()})
 
     def close(self) -> None:
         for s in self.shards:

@@ -101,9 +101,16 @@ class Saver:
             return self._failed(step, describe(e))
         if save.meta["level"] == "full":
             self.base = {"dir": posixpath.basename(save.path.rstrip("/")), "step": step, "hashes": results[0]["hashes"]}
-        record = {"kind": "checkpoint", "level": save.meta["level"], "step": step, "path": save.path,
-                  "bytes": sum(f["bytes"] for f in files.values()), "stall_s": save.stall_s,
-                  "save_s": time.perf_counter() - save.started, "time": time.time()}
+        record = {
+            "kind": "checkpoint",
+            "level": save.meta["level"],
+            "step": step,
+            "path": save.path,
+            "bytes": sum(f["bytes"] for f in files.values()),
+            "stall_s": save.stall_s,
+            "save_s": time.perf_counter() - save.started,
+            "time": time.time(),
+        }
         try:
             checkpoint.retain(self.uri, self.cfg.checkpoint.keep)
         except STORAGE_ERRORS as e:  # the save stands; older checkpoints stay until a later retention succeeds

@@ -75,8 +75,7 @@ class TrainWorker:
 
     def info(self) -> dict:
         node = ray.get_runtime_context().get_node_id()
-        return {"pid": os.getpid(), "node": node, "params": self.model.num_params(), "applied": self.applied,
-                "peak_flops": self.peak_flops}
+        return {"pid": os.getpid(), "node": node, "params": self.model.num_params(), "applied": self.applied, "peak_flops": self.peak_flops}
 
     def warm_up(self) -> None:
         """One forward/backward on a dummy batch, so a pool worker's first real step runs at full
@@ -110,7 +109,10 @@ class TrainWorker:
         store = self._store if rank == 0 else dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeouts.join_s))
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(
-            backend, store=dist.PrefixStore(f"gen{generation}/", store), rank=rank, world_size=world,
+            backend,
+            store=dist.PrefixStore(f"gen{generation}/", store),
+            rank=rank,
+            world_size=world,
             timeout=timedelta(seconds=timeouts.collective_s),
         )
         self.rank, self.world = rank, world
@@ -131,8 +133,10 @@ class TrainWorker:
         The full state (from a checkpoint, a peer, or this worker) is re-partitioned on every join."""
         full = self.optimizer.state_dict()
         sharded = ZeroRedundancyOptimizer(
-            make_param_groups(self.model, self.cfg.optim), optimizer_class=torch.optim.AdamW,
-            lr=self.cfg.optim.lr, betas=(self.cfg.optim.beta1, self.cfg.optim.beta2),
+            make_param_groups(self.model, self.cfg.optim),
+            optimizer_class=torch.optim.AdamW,
+            lr=self.cfg.optim.lr,
+            betas=(self.cfg.optim.beta1, self.cfg.optim.beta2),
         )
         sharded.load_state_dict(full)
         self._set_optimizer(sharded)
@@ -162,8 +166,9 @@ class TrainWorker:
         local = self.optimizer.optim if isinstance(self.optimizer, ZeroRedundancyOptimizer) else self.optimizer
         return sum(t.numel() * t.element_size() for st in local.state.values() for t in st.values() if torch.is_tensor(t))
 
-    def train_step(self, step: int, ids: np.ndarray, global_batch: int, cursor: int, fault: dict | None = None,
-                   lr_scale: float = 1.0, max_norm: float = math.inf) -> dict:
+    def train_step(
+        self, step: int, ids: np.ndarray, global_batch: int, cursor: int, fault: dict | None = None, lr_scale: float = 1.0, max_norm: float = math.inf
+    ) -> dict:
         """This worker's share of one optimizer step: forward/backward with the gradient sync
         overlapping it, then clip and update.
 
@@ -192,11 +197,22 @@ class TrainWorker:
         finite = math.isfinite(grad_norm) or self.scaler.is_enabled()  # fp16: the scaler skips overflowing steps itself
         if finite:
             self.applied = step + 1
-        return {"finite": finite, "skipped": math.isfinite(grad_norm) and grad_norm > max_norm, "loss": loss_sum,
-                "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": compute_s, "comm_s": synced - computing - compute_s,
-                "worker_s": time.perf_counter() - started, "comm_bytes": sync.get("comm_bytes", 0),
-                "dense_bytes": sync.get("dense_bytes", 0), "optimizer_bytes": self.optimizer_bytes(), "data": data,
-                "saving": self._saving is not None and not self._saving.done()}
+        return {
+            "finite": finite,
+            "skipped": math.isfinite(grad_norm) and grad_norm > max_norm,
+            "loss": loss_sum,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "samples": len(ids),
+            "compute_s": compute_s,
+            "comm_s": synced - computing - compute_s,
+            "worker_s": time.perf_counter() - started,
+            "comm_bytes": sync.get("comm_bytes", 0),
+            "dense_bytes": sync.get("dense_bytes", 0),
+            "optimizer_bytes": self.optimizer_bytes(),
+            "data": data,
+            "saving": self._saving is not None and not self._saving.done(),
+        }
 
     def _forward_backward(self, rows: torch.Tensor, divisor: float) -> float:
         """Micro-batches accumulate; only the last one's backward syncs, bucket by bucket as it goes."""
@@ -292,13 +308,20 @@ class TrainWorker:
         compute_s = time.perf_counter() - computing
         grads = {n: p.grad for n, p in self.model.named_parameters()}
         grad_norm = self._clip_sum(grads, len(ids))
-        pushes = [shard.push.remote(self.rank, version, {n: grads[n] for n in names}, len(ids))
-                  for (shard, names), version in zip(self.ps, self.versions)]
+        pushes = [shard.push.remote(self.rank, version, {n: grads[n] for n in names}, len(ids)) for (shard, names), version in zip(self.ps, self.versions)]
         applied = ray.get(pushes)
         lr = applied[0]["lr"]
-        return {"loss": loss_sum / len(ids), "grad_norm": grad_norm, "lr": lr, "samples": len(ids), "compute_s": compute_s,
-                "worker_s": time.perf_counter() - started, "staleness": max(a["staleness"] for a in applied),
-                "version": max(a["version"] for a in applied), "data": data}
+        return {
+            "loss": loss_sum / len(ids),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "samples": len(ids),
+            "compute_s": compute_s,
+            "worker_s": time.perf_counter() - started,
+            "staleness": max(a["staleness"] for a in applied),
+            "version": max(a["version"] for a in applied),
+            "data": data,
+        }
 
     def _clip_sum(self, grads: dict, samples: int) -> float:
         """Clip this worker's mean gradient to optim.grad_clip (each push is clipped on its own; the norm is returned)."""
@@ -353,12 +376,14 @@ class TrainWorker:
             self.optimizer.consolidate_state_dict(to=0)
             if self.rank != 0:
                 return None
-        data = serialize({
-            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-            "optimizer": _snapshot(self.optimizer.state_dict()),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-        })
+        data = serialize(
+            {
+                "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+                "optimizer": _snapshot(self.optimizer.state_dict()),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+            }
+        )
         if sharded:  # torch keeps the gathered shards on rank 0 until the next gathering: ZeRO's saving gone
             self.optimizer._all_state_dicts = []
         return data

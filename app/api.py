@@ -42,8 +42,7 @@ def status(run: str) -> dict:
     except ray.exceptions.RayActorError:
         raise ConfigError(f"the job {Path(run).name!r} ended while being asked for its status") from None
     except ray.exceptions.GetTimeoutError:
-        raise ConfigError(f"the job {Path(run).name!r} did not answer within {CONNECT_S:.0f} s: its coordinator is hung "
-                          f"or its node unreachable") from None
+        raise ConfigError(f"the job {Path(run).name!r} did not answer within {CONNECT_S:.0f} s: its coordinator is hung or its node unreachable") from None
 
 
 def scale(run: str, workers: int) -> dict:

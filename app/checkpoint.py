@@ -108,9 +108,18 @@ def write_part(path: str, name: str, obj) -> dict:
     from tqdm import tqdm
 
     # A bar only for a write that takes more than a few seconds (a large model, slow object storage).
-    with (tqdm(desc=f"writing {posixpath.basename(path.rstrip('/'))}/{name}", unit="B", unit_scale=True, delay=5, mininterval=5,
-               total=_tensor_bytes(obj) or None, leave=False) as bar,
-          fsspec.open(posixpath.join(path, name), "wb") as f):
+    with (
+        tqdm(
+            desc=f"writing {posixpath.basename(path.rstrip('/'))}/{name}",
+            unit="B",
+            unit_scale=True,
+            delay=5,
+            mininterval=5,
+            total=_tensor_bytes(obj) or None,
+            leave=False,
+        ) as bar,
+        fsspec.open(posixpath.join(path, name), "wb") as f,
+    ):
         out = _Hashing(f, bar)
         torch.save(obj, out)
     return {"bytes": out.size, "sha256": out.sha.hexdigest()}

@@ -153,12 +153,12 @@ def cmd_status(args, started_at: float) -> int:
 
 def _status_line(st: dict) -> str:
     loss = f"{st['loss']:.3f}" if st["loss"] is not None else "-"
-    return (f"{st['run']}: {st['phase']} step {st['step']}/{st['total_steps']} loss {loss} "
-            f"workers {st['world_size']} ETA {_duration(st['eta_s'])}")
+    return f"{st['run']}: {st['phase']} step {st['step']}/{st['total_steps']} loss {loss} workers {st['world_size']} ETA {_duration(st['eta_s'])}"
 
 
 def _status_text(st: dict) -> str:
     """What `etrain status RUN` shows: progress, model, throughput, membership, last checkpoint, members."""
+
     def num(value, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
@@ -221,8 +221,14 @@ def cmd_tune(args, started_at: float) -> int:
         if not args.space:
             raise ConfigError("--space SPACE.yaml is required (config keys and their distributions; see tune/space.py)")
         base, space_file = load_config(args.config, args.set), str(Path(args.space).resolve())
-        spec = {"space": space_file, "trials": args.trials, "concurrency": args.concurrency, "seed": args.seed,
-                "sampler": args.sampler, "pruning": not args.no_pruning}
+        spec = {
+            "space": space_file,
+            "trials": args.trials,
+            "concurrency": args.concurrency,
+            "seed": args.seed,
+            "sampler": args.sampler,
+            "pruning": not args.no_pruning,
+        }
     space = load_space(space_file, base)
     if not args.resume:
         if (out / "study").exists():
@@ -230,8 +236,18 @@ def cmd_tune(args, started_at: float) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "base.yaml").write_text(base.to_yaml())
         (out / "search.json").write_text(json.dumps(spec, indent=1) + "\n")
-    rows = run_search(base, space, spec["trials"], out, concurrency=spec["concurrency"], seed=spec["seed"], sampler=spec["sampler"],
-                      pruning=spec["pruning"], resume=args.resume, progress=not args.no_progress)
+    rows = run_search(
+        base,
+        space,
+        spec["trials"],
+        out,
+        concurrency=spec["concurrency"],
+        seed=spec["seed"],
+        sampler=spec["sampler"],
+        pruning=spec["pruning"],
+        resume=args.resume,
+        progress=not args.no_progress,
+    )
     print(format_table(rows))
     print(f"trials: {out / 'trials.json'}", file=sys.stderr)
     if (out / "best.yaml").is_file():
@@ -243,8 +259,11 @@ def cmd_config(args, started_at: float) -> int:
     cfg = load_config(args.config, args.set)
     print(cfg.to_yaml(), end="")
     need, here = cfg.worker_memory(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    print(f"model: {cfg.model.param_count():,} parameters; about {need / 2**30:,.2f} GiB per worker (weights, gradients, "
-          f"AdamW state, activations of one micro-batch)", file=sys.stderr)
+    print(
+        f"model: {cfg.model.param_count():,} parameters; about {need / 2**30:,.2f} GiB per worker (weights, gradients, "
+        f"AdamW state, activations of one micro-batch)",
+        file=sys.stderr,
+    )
     if need > here and not cfg.cluster.gpus_per_worker:
         print(f"warning: that is more than this machine's {here / 2**30:,.1f} GiB of memory", file=sys.stderr)
     return 0
@@ -285,7 +304,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--field", help="JSONL key holding the text (prepare.jsonl_field, default 'text')")
     p.add_argument("--column", help="Parquet column holding the text (prepare.parquet_column, default 'text')")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output")
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="fsspec option for s3:// (endpoint_url, key, secret ...); never logged")
+    p.add_argument(
+        "--storage-option", action="append", default=[], metavar="KEY=VALUE", help="fsspec option for s3:// (endpoint_url, key, secret ...); never logged"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_prepare)
 

@@ -20,8 +20,7 @@ PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # What a resume may change: how, where and how long a run goes on (and how gradients travel); never the
 # model, data or optimizer.
-RESUMABLE = ("train.steps", "train.eval_every", "train.eval_samples", "checkpoint", "cluster", "timeouts", "run", "prepare", "faults",
-             "balance", "comm")
+RESUMABLE = ("train.steps", "train.eval_every", "train.eval_samples", "checkpoint", "cluster", "timeouts", "run", "prepare", "faults", "balance", "comm")
 
 
 class ConfigError(ValueError):
@@ -56,8 +55,12 @@ class ModelConfig(Section):
         """Parameters of app.model.GPT with this config, by arithmetic (no torch): embeddings, 12·d² + 4·d per
         block (attention 4·d², MLP 8·d², two LayerNorms), the final LayerNorm, the head unless tied."""
         d = self.d_model
-        return (self.vocab_size * d * (1 if self.tie_weights else 2) + (self.seq_len * d if self.positions == "learned" else 0)
-                + self.n_layer * (12 * d * d + 4 * d) + 2 * d)
+        return (
+            self.vocab_size * d * (1 if self.tie_weights else 2)
+            + (self.seq_len * d if self.positions == "learned" else 0)
+            + self.n_layer * (12 * d * d + 4 * d)
+            + 2 * d
+        )
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
@@ -117,19 +120,26 @@ class TrainConfig(Section):
     steps: int = Field(200, ge=1, description="optimizer steps in the whole run")
     global_batch: int = Field(16, ge=1, description="samples per optimizer step at cluster.num_workers workers")
     batch_scaling: Literal["constant", "linear"] = Field(
-        "constant", description="constant: global_batch at any world size, so the loss trajectory does not depend on it; "
-        "linear: global_batch / num_workers samples per worker, and lr scaled by the same factor (the linear scaling rule)")
+        "constant",
+        description="constant: global_batch at any world size, so the loss trajectory does not depend on it; "
+        "linear: global_batch / num_workers samples per worker, and lr scaled by the same factor (the linear scaling rule)",
+    )
     micro_batch: int = Field(8, ge=1, description="samples per forward/backward; more are accumulated")
     seed: int = 0
     eval_every: int = Field(50, ge=0, description="steps between evaluations; 0 = only at the end")
     eval_samples: int = Field(64, ge=1, description="held-out sequences per evaluation")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="bf16 autocast (CPU or GPU); fp16 + GradScaler (GPU)")
-    outlier_sigmas: float = Field(3.0, ge=0, description="skip the update of a step whose gradient norm is above the running "
-                                  "mean + this many standard deviations, and quarantine its samples; 0 disables")
+    outlier_sigmas: float = Field(
+        3.0,
+        ge=0,
+        description="skip the update of a step whose gradient norm is above the running "
+        "mean + this many standard deviations, and quarantine its samples; 0 disables",
+    )
     outlier_warmup: int = Field(20, ge=2, description="accepted steps before the outlier guard starts judging")
     outlier_patience: int = Field(3, ge=1, description="outliers in a row that make the guard start over (a new regime)")
-    max_nan_rollbacks: int = Field(3, ge=0, description="a non-finite gradient rolls the run back to the last checkpoint with "
-                                   "the lr halved, at most this many times; then the job fails")
+    max_nan_rollbacks: int = Field(
+        3, ge=0, description="a non-finite gradient rolls the run back to the last checkpoint with the lr halved, at most this many times; then the job fails"
+    )
 
 
 class OptimConfig(Section):
@@ -148,11 +158,13 @@ class CommConfig(Section):
 
     mode: Literal["allreduce", "ps"] = Field("allreduce", description="allreduce: DDP ring all-reduce; ps: parameter-server shards with bounded staleness")
     compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
-        "none", description="fp16/bf16/powersgd: torch's DDP hooks; topk: ours, with error feedback")
+        "none", description="fp16/bf16/powersgd: torch's DDP hooks; topk: ours, with error feedback"
+    )
     topk_ratio: float = Field(0.1, gt=0, le=1, description="topk: fraction of gradient entries sent per step")
     powersgd_rank: int = Field(2, ge=1, description="powersgd: rank of the low-rank approximation")
-    compress_start: int = Field(20, ge=2, description="topk, powersgd: steps of plain all-reduce before compressing "
-                                "(PowerSGD counts them again after each membership change)")
+    compress_start: int = Field(
+        20, ge=2, description="topk, powersgd: steps of plain all-reduce before compressing (PowerSGD counts them again after each membership change)"
+    )
     bucket_mb: float = Field(25, gt=0, description="DDP bucket size: gradients are sent bucket by bucket during backward")
     zero: bool = Field(False, description="ZeRO-1: each worker keeps only its shard of the optimizer state")
     ps_shards: int = Field(2, ge=1, description="ps: parameter-server actors, spread over nodes")
@@ -171,8 +183,12 @@ class BalanceConfig(Section):
 
 class CheckpointConfig(Section):
     every: int = Field(50, ge=0, description="steps between full checkpoints (weights, optimizer, scheduler, scaler); 0 = only at the end")
-    light_every: int = Field(0, ge=0, description="steps between light checkpoints (changed weights only, in light_dtype; "
-                             "a resume from one takes the optimizer state of the last full one, so it is not exact); 0 = none")
+    light_every: int = Field(
+        0,
+        ge=0,
+        description="steps between light checkpoints (changed weights only, in light_dtype; "
+        "a resume from one takes the optimizer state of the last full one, so it is not exact); 0 = none",
+    )
     light_dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="dtype of a light checkpoint's weights")
     async_save: bool = Field(True, description="write checkpoints in the background: a step waits only while the state is copied")
     uri: str | None = Field(None, description="directory or URI; default RUN_DIR/checkpoints")
@@ -185,8 +201,9 @@ class ClusterConfig(Section):
     gpus_per_worker: float = Field(0, ge=0, description="> 0 trains on CUDA with NCCL")
     address: str | None = Field(None, description="Ray address; default RAY_ADDRESS or a new local instance")
     warm_pool: int = Field(1, ge=0, description="built workers kept outside the group for joins and replacements")
-    max_workers: int | None = Field(None, ge=1, description="autoscale: grow onto free cluster resources up to this many workers; "
-                                    "None: stay at num_workers (or what `etrain scale` asks)")
+    max_workers: int | None = Field(
+        None, ge=1, description="autoscale: grow onto free cluster resources up to this many workers; None: stay at num_workers (or what `etrain scale` asks)"
+    )
     max_recoveries: int = Field(3, ge=0, description="lost-worker recoveries before the job fails")
 
 
@@ -211,10 +228,7 @@ class TimeoutConfig(Section):
     @model_validator(mode="after")
     def _nested(self) -> TimeoutConfig:
         if not self.collective_s < self.step_s < self.join_s:
-            raise ValueError(
-                "timeouts must nest: collective_s < step_s < join_s, got "
-                f"{self.collective_s} / {self.step_s} / {self.join_s}"
-            )
+            raise ValueError(f"timeouts must nest: collective_s < step_s < join_s, got {self.collective_s} / {self.step_s} / {self.join_s}")
         return self
 
 
@@ -253,29 +267,36 @@ class Config(Section):
             raise ValueError("train.precision=fp16 needs a GPU (cluster.gpus_per_worker > 0); use bf16 on CPU")
         if self.train.global_batch < self.cluster.num_workers:
             raise ValueError(
-                f"train.global_batch={self.train.global_batch} is smaller than "
-                f"cluster.num_workers={self.cluster.num_workers}: every worker needs a sample"
+                f"train.global_batch={self.train.global_batch} is smaller than cluster.num_workers={self.cluster.num_workers}: every worker needs a sample"
             )
         if self.cluster.max_workers is not None and self.cluster.max_workers < self.cluster.num_workers:
             raise ValueError(f"cluster.max_workers={self.cluster.max_workers} is below cluster.num_workers={self.cluster.num_workers}")
         if (self.cluster.max_workers or 0) > self.train.global_batch and self.train.batch_scaling == "constant":
-            raise ValueError(f"cluster.max_workers={self.cluster.max_workers} exceeds train.global_batch={self.train.global_batch}: every worker needs a sample")
+            raise ValueError(
+                f"cluster.max_workers={self.cluster.max_workers} exceeds train.global_batch={self.train.global_batch}: every worker needs a sample"
+            )
         if self.comm.mode == "ps" and (self.comm.zero or self.comm.compression != "none"):
             raise ValueError("comm.mode=ps sends whole gradients to the parameter servers: comm.zero and comm.compression apply to allreduce only")
         if self.comm.mode == "ps" and (self.train.batch_scaling == "linear" or self.train.precision == "fp16"):
-            raise ValueError("comm.mode=ps needs train.batch_scaling=constant (a step is one global batch) and no fp16 "
-                             "(the shards have no loss scaler): use bf16")
+            raise ValueError(
+                "comm.mode=ps needs train.batch_scaling=constant (a step is one global batch) and no fp16 (the shards have no loss scaler): use bf16"
+            )
         if self.comm.zero and self.checkpoint.every == 0:
-            raise ValueError("comm.zero needs checkpoint.every > 0: a lost worker takes its optimizer shard along, "
-                             "and the job goes back to the last checkpoint")
+            raise ValueError(
+                "comm.zero needs checkpoint.every > 0: a lost worker takes its optimizer shard along, and the job goes back to the last checkpoint"
+            )
         if self.comm.mode == "ps" and self.train.global_batch % self.cluster.num_workers:
-            raise ValueError(f"comm.mode=ps gives each worker train.global_batch / cluster.num_workers samples per push: "
-                             f"make train.global_batch={self.train.global_batch} a multiple of cluster.num_workers={self.cluster.num_workers}")
+            raise ValueError(
+                f"comm.mode=ps gives each worker train.global_batch / cluster.num_workers samples per push: "
+                f"make train.global_batch={self.train.global_batch} a multiple of cluster.num_workers={self.cluster.num_workers}"
+            )
         largest = max(self.cluster.num_workers, self.cluster.max_workers or 0)
         for i, fault in enumerate(self.faults):
             if fault.rank >= largest:
-                raise ValueError(f"faults[{i}].rank={fault.rank} never fires: the run has at most {largest} worker(s) "
-                                 f"(ranks 0-{largest - 1}; cluster.num_workers, cluster.max_workers)")
+                raise ValueError(
+                    f"faults[{i}].rank={fault.rank} never fires: the run has at most {largest} worker(s) "
+                    f"(ranks 0-{largest - 1}; cluster.num_workers, cluster.max_workers)"
+                )
         if self.train.batch_scaling == "linear" and self.train.global_batch % self.cluster.num_workers:
             raise ValueError(
                 f"train.batch_scaling=linear needs train.global_batch={self.train.global_batch} to be a multiple of "

@@ -19,8 +19,10 @@ import ray
 from app.config import ConfigError
 
 NAMESPACE = "etrain"
-TOKEN_HELP = ("this cluster uses token authentication: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, "
-              "or the token file ~/.ray/auth_token) to the head node's token (`ray get-auth-token` on the head prints it)")
+TOKEN_HELP = (
+    "this cluster uses token authentication: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, "
+    "or the token file ~/.ray/auth_token) to the head node's token (`ray get-auth-token` on the head prints it)"
+)
 
 
 def connect(address: str | None, timeout_s: float, num_cpus: int | None = None) -> None:
@@ -49,20 +51,25 @@ def probe(address: str, timeout_s: float) -> str:
     except ConnectionError:  # "auto", and nothing found
         target = None
     if target is None:
-        raise ConfigError("no Ray cluster is running here (no RAY_ADDRESS, no `ray start` on this machine); run this where "
-                          "the job runs (the head node), or set RAY_ADDRESS to its head (host:6379)")
+        raise ConfigError(
+            "no Ray cluster is running here (no RAY_ADDRESS, no `ray start` on this machine); run this where "
+            "the job runs (the head node), or set RAY_ADDRESS to its head (host:6379)"
+        )
     host, port = target.rsplit(":", 1)
     try:
         socket.create_connection((host, int(port)), timeout=min(timeout_s, 5)).close()
     except OSError as e:
-        raise ConfigError(f"no Ray cluster at {target} ({e.strerror or e}); its head is not running (a run that ended "
-                          f"takes its local Ray with it), or set RAY_ADDRESS / cluster.address to the head's host:port") from None
+        raise ConfigError(
+            f"no Ray cluster at {target} ({e.strerror or e}); its head is not running (a run that ended "
+            f"takes its local Ray with it), or set RAY_ADDRESS / cluster.address to the head's host:port"
+        ) from None
     try:
         client = ray._raylet.InnerGcsClient.standalone(target, None, int(timeout_s * 1000))
         client.internal_kv_get(b"session_name", b"session", timeout=timeout_s)
     except ray.exceptions.AuthenticationError:
         raise ConfigError(f"the Ray cluster at {target} refused this client's token: {TOKEN_HELP}") from None
     except ray.exceptions.RpcError:
-        raise ConfigError(f"{target} accepts connections but no Ray GCS answered within {timeout_s:.0f} s "
-                          f"(timeouts.connect_s): not a Ray head, or one that is hung") from None
+        raise ConfigError(
+            f"{target} accepts connections but no Ray GCS answered within {timeout_s:.0f} s (timeouts.connect_s): not a Ray head, or one that is hung"
+        ) from None
     return target

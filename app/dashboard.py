@@ -50,26 +50,31 @@ class Dashboard:
     def __init__(self, run: str):
         self.tags = {"run": run}
         keys = ("run",)
-        self.gauges = {name: Gauge(f"etrain_{name}", text, tag_keys=keys) for name, text in {
-            "step": "last committed step",
-            "loss": "training loss of the last step",
-            "eval_loss": "loss on the held-out set at the last evaluation",
-            "tokens_per_second": "tokens trained per second, over the last step",
-            "mfu": "model FLOPs utilisation: achieved FLOP/s over the members' measured matmul peak",
-            "grad_norm": "gradient norm of the last step (before clipping)",
-            "world_size": "workers in the process group",
-            "warm_pool_size": "warm workers ready to join",
-            "cache_hit_rate": "share of the last step's samples served from the node's shard cache",
-            "checkpoint_stall_seconds": "how long the last save held up training",
-            "checkpoint_step": "step of the last committed checkpoint",
-        }.items()}
-        self.step_seconds = Gauge("etrain_step_seconds", "the last step's time by part: the slowest worker's, and the save that held it up", tag_keys=("run", "part"))
-        self.scale_latency = Gauge("etrain_scale_latency_seconds", "the last membership change, from detection to first step",
-                                   tag_keys=("run", "reason"))
+        self.gauges = {
+            name: Gauge(f"etrain_{name}", text, tag_keys=keys)
+            for name, text in {
+                "step": "last committed step",
+                "loss": "training loss of the last step",
+                "eval_loss": "loss on the held-out set at the last evaluation",
+                "tokens_per_second": "tokens trained per second, over the last step",
+                "mfu": "model FLOPs utilisation: achieved FLOP/s over the members' measured matmul peak",
+                "grad_norm": "gradient norm of the last step (before clipping)",
+                "world_size": "workers in the process group",
+                "warm_pool_size": "warm workers ready to join",
+                "cache_hit_rate": "share of the last step's samples served from the node's shard cache",
+                "checkpoint_stall_seconds": "how long the last save held up training",
+                "checkpoint_step": "step of the last committed checkpoint",
+            }.items()
+        }
+        self.step_seconds = Gauge(
+            "etrain_step_seconds", "the last step's time by part: the slowest worker's, and the save that held it up", tag_keys=("run", "part")
+        )
+        self.scale_latency = Gauge("etrain_scale_latency_seconds", "the last membership change, from detection to first step", tag_keys=("run", "reason"))
         self.scale_events = Counter("etrain_scale_events", "membership changes", tag_keys=("run", "reason"))
         self.fetched = Counter("etrain_fetched_bytes", "shard bytes the node caches fetched from storage", tag_keys=keys)
-        self.grad_norms = Histogram("etrain_grad_norm_distribution", "gradient norms",
-                                    boundaries=[0.01, 0.03, 0.1, 0.3, 0.5, 1, 2, 3, 5, 10, 30, 100], tag_keys=keys)
+        self.grad_norms = Histogram(
+            "etrain_grad_norm_distribution", "gradient norms", boundaries=[0.01, 0.03, 0.1, 0.3, 0.5, 1, 2, 3, 5, 10, 30, 100], tag_keys=keys
+        )
 
     def _set(self, name: str, value) -> None:
         if value is not None:
@@ -94,8 +99,14 @@ class Dashboard:
             self._set("checkpoint_stall_seconds", record.get("stall_s"))
 
     def _train(self, r: dict) -> None:
-        for gauge, field in (("step", "step"), ("loss", "loss"), ("tokens_per_second", "tokens_per_s"), ("mfu", "mfu"),
-                             ("grad_norm", "grad_norm"), ("world_size", "world_size")):
+        for gauge, field in (
+            ("step", "step"),
+            ("loss", "loss"),
+            ("tokens_per_second", "tokens_per_s"),
+            ("mfu", "mfu"),
+            ("grad_norm", "grad_norm"),
+            ("world_size", "world_size"),
+        ):
             self._set(gauge, r.get(field))
         if r.get("grad_norm") is not None and r["grad_norm"] == r["grad_norm"]:  # NaN has no bucket
             self.grad_norms.observe(r["grad_norm"], tags=self.tags)

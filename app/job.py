@@ -8,7 +8,6 @@ has one driver at a time: its lease (app/lease.py) is taken before anything star
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import sys
 import tempfile
@@ -51,10 +50,12 @@ def durable(path: Path, key: str) -> Path:
     relative path lands in the unpacked package there, and the run is deleted with the session."""
     temp = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()).resolve() / "ray"
     if path.is_relative_to(temp) or "runtime_resources" in path.parts:
-        raise ConfigError(f"{key} resolves to {path}, inside Ray's temporary directory ({temp}; under `ray job submit "
-                          f"--working-dir` a relative path lands in the unpacked package), which is deleted with the Ray "
-                          f"session: give it an absolute path on durable storage (e.g. --set run.root=/home/ubuntu/runs), "
-                          f"and on a multi-node cluster set checkpoint.uri to shared storage (s3://...)")
+        raise ConfigError(
+            f"{key} resolves to {path}, inside Ray's temporary directory ({temp}; under `ray job submit "
+            f"--working-dir` a relative path lands in the unpacked package), which is deleted with the Ray "
+            f"session: give it an absolute path on durable storage (e.g. --set run.root=/home/ubuntu/runs), "
+            f"and on a multi-node cluster set checkpoint.uri to shared storage (s3://...)"
+        )
     return path
 
 
@@ -64,7 +65,9 @@ def resolve_data(cfg: Config) -> str:
         return ensure_corpus(cfg)
     manifest = training_manifest(cfg.data.source)
     if manifest["seq_len"] != cfg.model.seq_len:
-        raise ConfigError(f"data {cfg.data.source} is packed at seq_len {manifest['seq_len']}, but model.seq_len={cfg.model.seq_len}; set model.seq_len={manifest['seq_len']}")
+        raise ConfigError(
+            f"data {cfg.data.source} is packed at seq_len {manifest['seq_len']}, but model.seq_len={cfg.model.seq_len}; set model.seq_len={manifest['seq_len']}"
+        )
     if manifest["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"data {cfg.data.source} uses {manifest['vocab_size']} token ids, but model.vocab_size={cfg.model.vocab_size}")
     return cfg.data.source
@@ -78,14 +81,17 @@ def check_memory(cfg: Config) -> None:
     need = cfg.worker_memory()
     largest = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n["Alive"]), default=0)
     if largest and need > largest:
-        raise ConfigError(f"the model needs about {need / 2**30:,.1f} GiB per worker ({cfg.model.param_count():,} parameters: "
-                          f"weights, gradients, AdamW state, activations of train.micro_batch={cfg.train.micro_batch}), more than "
-                          f"the {largest / 2**30:,.1f} GiB for tasks on the largest node; lower model.d_model, model.n_layer "
-                          f"or train.micro_batch")
+        raise ConfigError(
+            f"the model needs about {need / 2**30:,.1f} GiB per worker ({cfg.model.param_count():,} parameters: "
+            f"weights, gradients, AdamW state, activations of train.micro_batch={cfg.train.micro_batch}), more than "
+            f"the {largest / 2**30:,.1f} GiB for tasks on the largest node; lower model.d_model, model.n_layer "
+            f"or train.micro_batch"
+        )
 
 
-def train(cfg: Config, run_dir: Path, resume: bool = False, started_at: float | None = None, progress: bool = True,
-          on_eval: Callable[[dict], None] | None = None) -> dict:
+def train(
+    cfg: Config, run_dir: Path, resume: bool = False, started_at: float | None = None, progress: bool = True, on_eval: Callable[[dict], None] | None = None
+) -> dict:
     """Run (or resume) a job to its end; `on_eval` sees each evaluation record as it happens (a Tune trial reports them).
     The run's lease is taken first: a run another live driver is training is refused (RunBusy)."""
     started_at = started_at or time.time()
@@ -117,8 +123,9 @@ def _run(cfg: Config, run_dir: Path, resume: bool, started_at: float, progress: 
     except ray.exceptions.RayActorError as e:
         if e.actor_init_failed:
             raise JobError(f"the job's coordinator could not start: {why(e)}") from None
-        raise JobError(f"the job's coordinator died ({why(e)}): its process was killed or its node was lost; "
-                       f"resume with `etrain train --resume {run_dir}`") from None
+        raise JobError(
+            f"the job's coordinator died ({why(e)}): its process was killed or its node was lost; resume with `etrain train --resume {run_dir}`"
+        ) from None
     finally:
         ray.kill(coordinator)
         for w in workers:
@@ -138,8 +145,10 @@ def _resumed(e: dict) -> str:
     if e.get("reached_step", e["step"]) > e["step"]:
         said += f"; the run had reached step {e['reached_step']}: {e['reached_step'] - e['step']} steps are redone"
     if e.get("base"):
-        said += (f"\nwarning: that is a light checkpoint (weights only): the optimizer, scheduler and scaler state "
-                 f"come from the full checkpoint {e['base']}, so the run leaves the uninterrupted trajectory")
+        said += (
+            f"\nwarning: that is a light checkpoint (weights only): the optimizer, scheduler and scaler state "
+            f"come from the full checkpoint {e['base']}, so the run leaves the uninterrupted trajectory"
+        )
     return said
 
 
@@ -153,8 +162,10 @@ def _wait_for_name(name: str, timeout_s: float = 30) -> None:
         except ValueError:
             return
         if time.monotonic() > deadline:
-            raise ConfigError(f"run {name.split(':', 1)[1]} is still running (its coordinator {name} is alive); "
-                              f"stop it first (`ray job stop`, or kill its driver) before resuming it")
+            raise ConfigError(
+                f"run {name.split(':', 1)[1]} is still running (its coordinator {name} is alive); "
+                f"stop it first (`ray job stop`, or kill its driver) before resuming it"
+            )
         time.sleep(0.5)
 
 
@@ -178,8 +189,9 @@ def _follow(coordinator, done, cfg: Config, progress: bool, on_eval: Callable[[d
             try:
                 phase, events = ray.get(coordinator.poll.remote(), timeout=cfg.timeouts.join_s)
             except ray.exceptions.GetTimeoutError:  # it answers polls between steps and during them: it is frozen
-                raise JobError(f"the job's coordinator has not answered for {cfg.timeouts.join_s:.0f} s (timeouts.join_s): its "
-                               f"process is hung or its node unreachable") from None
+                raise JobError(
+                    f"the job's coordinator has not answered for {cfg.timeouts.join_s:.0f} s (timeouts.join_s): its process is hung or its node unreachable"
+                ) from None
             bar.set_description(phase)
             for e in events:
                 if e["kind"] == "resume":
@@ -196,7 +208,8 @@ def _follow(coordinator, done, cfg: Config, progress: bool, on_eval: Callable[[d
                     bar.write(f"step {e['step']}: warning: the checkpoint was not written ({e['error']}); training goes on", file=sys.stderr)
                 elif e["kind"] == "membership":
                     phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in e["phases"].items())
-                    bar.write(f"step {e['step']}: {e['reason']} {e['world_before']} -> {e['world_after']} workers in {e['total_s']:.2f} s ({phases})",
-                              file=sys.stderr)
+                    bar.write(
+                        f"step {e['step']}: {e['reason']} {e['world_before']} -> {e['world_after']} workers in {e['total_s']:.2f} s ({phases})", file=sys.stderr
+                    )
             if finished:
                 return

@@ -58,8 +58,10 @@ def acquire(root: str, run: str, ttl_s: float) -> Lease:
     try:
         return _take(path, run, ttl_s)
     except STORAGE_ERRORS as e:
-        raise StorageError(f"cannot take the run's lease {path}: {describe(e)}; the checkpoint location (checkpoint.uri, "
-                           f"default RUN/checkpoints) must be reachable and writable") from None
+        raise StorageError(
+            f"cannot take the run's lease {path}: {describe(e)}; the checkpoint location (checkpoint.uri, "
+            f"default RUN/checkpoints) must be reachable and writable"
+        ) from None
 
 
 def _take(path: str, run: str, ttl_s: float) -> Lease:
@@ -67,15 +69,17 @@ def _take(path: str, run: str, ttl_s: float) -> Lease:
         held, version = _read(path)
         if held is not None and not _stale(held):
             age = time.time() - held["renewed"]
-            raise RunBusy(f"run {held.get('run', run)!r} is being trained by host {held['host']} pid {held['pid']} "
-                          f"(its lease {path} was renewed {age:.0f} s ago); stop that driver first, or, if its host is gone, "
-                          f"wait {max(0.0, held['ttl_s'] - age):.0f} s more for the lease to go stale")
+            raise RunBusy(
+                f"run {held.get('run', run)!r} is being trained by host {held['host']} pid {held['pid']} "
+                f"(its lease {path} was renewed {age:.0f} s ago); stop that driver first, or, if its host is gone, "
+                f"wait {max(0.0, held['ttl_s'] - age):.0f} s more for the lease to go stale"
+            )
         if held is not None:
-            log.warning("taking over the stale lease of host %s pid %s on run %s (renewed %.0f s ago)",
-                        held["host"], held["pid"], run, time.time() - held["renewed"])
+            log.warning(
+                "taking over the stale lease of host %s pid %s on run %s (renewed %.0f s ago)", held["host"], held["pid"], run, time.time() - held["renewed"]
+            )
         now = time.time()
-        owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex, "run": run,
-                 "started": now, "renewed": now, "ttl_s": ttl_s}
+        owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex, "run": run, "started": now, "renewed": now, "ttl_s": ttl_s}
         try:
             return Lease(path, owner, _swap(path, owner, version))
         except _Conflict:
@@ -91,8 +95,9 @@ def renew(lease: Lease) -> None:
     except _Conflict:
         held, _ = _read(lease.path)
         by = f"host {held['host']} pid {held['pid']}" if held else "nobody (the lease file is gone)"
-        raise LeaseLost(f"the run's lease {lease.path} is now held by {by}: another driver took the run over "
-                        f"while this one was taken for gone; this driver stops") from None
+        raise LeaseLost(
+            f"the run's lease {lease.path} is now held by {by}: another driver took the run over while this one was taken for gone; this driver stops"
+        ) from None
     lease.owner = owner
 
 

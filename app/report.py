@@ -55,8 +55,13 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = _of(records, "train")[0]["time"]
     events = _membership_events(records, t0)
-    figures = {"loss": _loss(records), "throughput": _throughput(records, t0, events), "data_wait": _data_wait(records),
-               "world_size": _world_size(records, t0), "grad_norm": _grad_norm(records)}
+    figures = {
+        "loss": _loss(records),
+        "throughput": _throughput(records, t0, events),
+        "data_wait": _data_wait(records),
+        "world_size": _world_size(records, t0),
+        "grad_norm": _grad_norm(records),
+    }
     plots = {name: out_dir / f"{name}.png" for name in figures}
     for name, fig in figures.items():
         fig.savefig(plots[name])
@@ -163,8 +168,18 @@ def _throughput(records: list[dict], t0: float, events: list[tuple[float, str]])
     for t, label in events:
         color = REASON_COLORS.get(label.split()[0], "black")
         ax.axvline(t, color=color, ls="--", lw=1)
-        ax.text(t, 0.97, label, transform=ax.get_xaxis_transform(), rotation=90, ha="right", va="top", fontsize=8, color=color,
-                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.7, "pad": 1})
+        ax.text(
+            t,
+            0.97,
+            label,
+            transform=ax.get_xaxis_transform(),
+            rotation=90,
+            ha="right",
+            va="top",
+            fontsize=8,
+            color=color,
+            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.7, "pad": 1},
+        )
     saved = [r["time"] - t0 for r in _of(records, "checkpoint")]
     if saved:
         ax.vlines(saved, 0, 0.05, transform=ax.get_xaxis_transform(), color="0.4", lw=1.5, label="checkpoint")
@@ -214,8 +229,7 @@ def _world_size(records: list[dict], t0: float) -> Figure:
     wanted = _of(records, "autoscale")
     if wanted:
         until = max(train[-1]["time"], wanted[-1]["time"]) - t0  # the last wish holds to the end
-        ax.step([r["time"] - t0 for r in wanted] + [until], [r["wanted"] for r in wanted] + [wanted[-1]["wanted"]],
-                where="post", ls="--", label="wanted")
+        ax.step([r["time"] - t0 for r in wanted] + [until], [r["wanted"] for r in wanted] + [wanted[-1]["wanted"]], where="post", ls="--", label="wanted")
         ax.legend()
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(0, max([r["world_size"] for r in train] + [r["wanted"] for r in wanted]) + 1)
@@ -275,18 +289,25 @@ def _html(name: str, summary: dict, plots: dict[str, Path]) -> str:
     def num(v, spec: str) -> str:
         return "–" if v is None else format(v, spec)
 
-    rows = [("steps", summary["steps"]), ("final loss", num(summary["final_loss"], ".4f")),
-            ("final eval loss", num(summary["final_eval_loss"], ".4f")),
-            ("mean tokens/s (after step 1)", num(summary["mean_tokens_per_s"], ",.0f"))]
+    rows = [
+        ("steps", summary["steps"]),
+        ("final loss", num(summary["final_loss"], ".4f")),
+        ("final eval loss", num(summary["final_eval_loss"], ".4f")),
+        ("mean tokens/s (after step 1)", num(summary["mean_tokens_per_s"], ",.0f")),
+    ]
     if summary["mean_mfu"] is not None:
         rows.append(("mean MFU (after step 1)", num(summary["mean_mfu"], ".1%")))
-    rows += [("membership changes", ", ".join(f"{k} {v}" for k, v in summary["membership"].items()) or "none"),
-             ("checkpoints committed", summary["checkpoints"]), ("checkpoints failed", summary["checkpoints_failed"]),
-             ("recoveries (recover, resume, rollback)", summary["recoveries"])]
+    rows += [
+        ("membership changes", ", ".join(f"{k} {v}" for k, v in summary["membership"].items()) or "none"),
+        ("checkpoints committed", summary["checkpoints"]),
+        ("checkpoints failed", summary["checkpoints_failed"]),
+        ("recoveries (recover, resume, rollback)", summary["recoveries"]),
+    ]
     table = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
-    images = "\n".join(f'<p><img alt="{html.escape(k)}" src="data:image/png;base64,'
-                       f'{base64.b64encode(p.read_bytes()).decode()}"></p>' for k, p in plots.items())
+    images = "\n".join(f'<p><img alt="{html.escape(k)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"></p>' for k, p in plots.items())
     title = html.escape(f"Run report: {name}")
-    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title>\n<style>"
-            "body{font-family:sans-serif;max-width:860px;margin:auto} th{text-align:left;padding-right:2em} img{max-width:100%}"
-            f"</style></head>\n<body>\n<h1>{title}</h1>\n<table>\n{table}\n</table>\n{images}\n</body></html>\n")
+    return (
+        f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{title}</title>\n<style>'
+        "body{font-family:sans-serif;max-width:860px;margin:auto} th{text-align:left;padding-right:2em} img{max-width:100%}"
+        f"</style></head>\n<body>\n<h1>{title}</h1>\n<table>\n{table}\n</table>\n{images}\n</body></html>\n"
+    )

@@ -24,8 +24,7 @@ IMDS = "http://169.254.169.254"
 
 def interruption(imds: str, timeout: float = 2.0) -> dict | None:
     """The pending spot interruption ({"action": ..., "time": ...}), or None. IMDSv2: token first."""
-    token_req = urllib.request.Request(f"{imds}/latest/api/token", method="PUT",
-                                       headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+    token_req = urllib.request.Request(f"{imds}/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
     with urllib.request.urlopen(token_req, timeout=timeout) as r:
         token = r.read().decode()
     req = urllib.request.Request(f"{imds}/latest/meta-data/spot/instance-action", headers={"X-aws-ec2-metadata-token": token})
@@ -45,8 +44,12 @@ def drain(node_id: str, notice: dict) -> None:
 
     deadline = datetime.fromisoformat(notice["time"].replace("Z", "+00:00")).timestamp()
     gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
-    accepted, why = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                                   f"spot interruption: {notice.get('action', 'terminate')} at {notice['time']}", int(deadline * 1000))
+    accepted, why = gcs.drain_node(
+        node_id,
+        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        f"spot interruption: {notice.get('action', 'terminate')} at {notice['time']}",
+        int(deadline * 1000),
+    )
     if not accepted:
         raise RuntimeError(f"drain of node {node_id} refused: {why}")
 

@@ -32,8 +32,16 @@ MODEL = ["model.n_layer=8", "model.n_head=8", "model.d_model=512", "model.seq_le
 
 
 def config(name: str, root: Path, data_dir: str, uri: str | None, steps: int, *overrides: str):
-    base = [f"data.cache_dir={data_dir}", f"run.root={root}", f"run.name={name}", f"train.steps={steps}", "train.eval_every=0",
-            "cluster.warm_pool=0", "cluster.max_recoveries=0", "balance.enabled=false"]
+    base = [
+        f"data.cache_dir={data_dir}",
+        f"run.root={root}",
+        f"run.name={name}",
+        f"train.steps={steps}",
+        "train.eval_every=0",
+        "cluster.warm_pool=0",
+        "cluster.max_recoveries=0",
+        "balance.enabled=false",
+    ]
     if uri:
         base.append(f"checkpoint.uri={uri.rstrip('/')}/{name}")
     return load_config("tiny", [*base, *MODEL, *overrides])
@@ -97,11 +105,13 @@ def main(argv: list[str] | None = None) -> dict:
         sync = run("sync", *common, n, f"checkpoint.every={every}", "checkpoint.async_save=false")
         asyn = run("async", *common, n, f"checkpoint.every={every}", "checkpoint.async_save=true")
         # Light saves between full ones; a worker killed in the last step leaves a light checkpoint the newest.
-        light = run("light", *common, n, f"checkpoint.every={every * 2}", "checkpoint.light_every=1",
-                    f"faults=[{{kind: kill, step: {n}, rank: 1}}]", crash=True)
+        light = run(
+            "light", *common, n, f"checkpoint.every={every * 2}", "checkpoint.light_every=1", f"faults=[{{kind: kill, step: {n}, rank: 1}}]", crash=True
+        )
         saves = records(light, "checkpoint")
         results = {
-            "sync": saving(sync), "async": saving(asyn),
+            "sync": saving(sync),
+            "async": saving(asyn),
             "light_bytes": statistics.mean(s["bytes"] for s in saves if s["level"] == "light"),
             "full_bytes": statistics.mean(s["bytes"] for s in saves if s["level"] == "full"),
             "resume_full": resume(asyn, *common, n + 1, f"checkpoint.every={every}"),
@@ -113,8 +123,13 @@ def main(argv: list[str] | None = None) -> dict:
         "light_vs_full_bytes": results["light_bytes"] / results["full_bytes"],
         "resume_light_vs_full_time": results["resume_light"]["load_s"] / results["resume_full"]["load_s"],
     }
-    report = {"machine": "2 cores, GPT 8 x 512 (~25 M parameters), 2 workers, gloo", "storage": args.uri or "local disk",
-              "model": MODEL, "results": results, "ratios": ratios}
+    report = {
+        "machine": "2 cores, GPT 8 x 512 (~25 M parameters), 2 workers, gloo",
+        "storage": args.uri or "local disk",
+        "model": MODEL,
+        "results": results,
+        "ratios": ratios,
+    }
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -29,16 +29,33 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SLOW = "faults=[{rank: 1, step: 2, kind: slow, factor: 2}]"
 # PS mode twice: at the seeds' 300 ms window, and at a window below this model's ~0.1 s step, where a
 # late push (the straggler's extra ~0.1 s) is no longer waited for.
-STRAGGLER = {"static": [SLOW, "balance.enabled=false"], "balanced": [SLOW], "ps": [SLOW, "comm.mode=ps"],
-             "ps_short_window": [SLOW, "comm.mode=ps", "comm.ps_window_s=0.02"]}
-SYNC = {"none": [], "fp16": ["comm.compression=fp16"], "bf16": ["comm.compression=bf16"],
-        "powersgd": ["comm.compression=powersgd"], "topk": ["comm.compression=topk"], "zero": ["comm.zero=true", "checkpoint.every=100"]}
+STRAGGLER = {
+    "static": [SLOW, "balance.enabled=false"],
+    "balanced": [SLOW],
+    "ps": [SLOW, "comm.mode=ps"],
+    "ps_short_window": [SLOW, "comm.mode=ps", "comm.ps_window_s=0.02"],
+}
+SYNC = {
+    "none": [],
+    "fp16": ["comm.compression=fp16"],
+    "bf16": ["comm.compression=bf16"],
+    "powersgd": ["comm.compression=powersgd"],
+    "topk": ["comm.compression=topk"],
+    "zero": ["comm.zero=true", "checkpoint.every=100"],
+}
 WARMUP = 10  # steps left out of throughput: start-up, first buckets, the balancer's first measurements
 
 
 def run_variant(name: str, overrides: list[str], steps: int, root: Path, data_dir: str) -> dict:
-    base = [f"data.cache_dir={data_dir}", f"run.root={root}", f"run.name={name}", f"train.steps={steps}",
-            "train.eval_every=0", "checkpoint.every=0", "cluster.warm_pool=0"]
+    base = [
+        f"data.cache_dir={data_dir}",
+        f"run.root={root}",
+        f"run.name={name}",
+        f"train.steps={steps}",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "cluster.warm_pool=0",
+    ]
     cfg = load_config("tiny", [*base, *overrides])
     run_dir = new_run_dir(cfg)
     train(cfg, run_dir, progress=False)
@@ -69,8 +86,11 @@ def compare(results: dict) -> dict:
     if "static" in results:
         static = results["static"]["samples_per_s"]
         out |= {f"{k}_vs_static_throughput": results[k]["samples_per_s"] / static for k in ("balanced", "ps", "ps_short_window") if k in results}
-        out |= {f"{k}_eval_loss_vs_static": results[k]["eval_loss"] / results["static"]["eval_loss"] - 1
-                for k in ("balanced", "ps", "ps_short_window") if k in results}
+        out |= {
+            f"{k}_eval_loss_vs_static": results[k]["eval_loss"] / results["static"]["eval_loss"] - 1
+            for k in ("balanced", "ps", "ps_short_window")
+            if k in results
+        }
     if "none" in results:
         none = results["none"]
         for k in ("fp16", "bf16", "powersgd", "topk"):
@@ -101,8 +121,11 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             started = time.perf_counter()
             results[name] = run_variant(name, overrides, steps, Path(root), args.data)
-            print(f"{name:>9}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in results[name].items()})} "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+            print(
+                f"{name:>9}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in results[name].items()})} "
+                f"({time.perf_counter() - started:.0f} s)",
+                flush=True,
+            )
     report = {"machine": "2 cores, tiny GPT (2 layers, 128 wide), 2 workers, gloo", "variants": results, "ratios": compare(results)}
     print(json.dumps(report["ratios"], indent=1))
     if args.out:

@@ -46,8 +46,9 @@ def start_s3() -> str:
         port = s.getsockname()[1]
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
     ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False).start()
-    os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"})
+    os.environ.update(
+        {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    )
     boto3.client("s3").create_bucket(Bucket="bench")
     return "s3://bench"
 
@@ -59,8 +60,9 @@ def make_shards(local: Path, shards: int, shard_mb: int) -> str:
     for _ in range(shards):
         writer.add(rng.integers(1, 256, (rows, SEQ + 1), dtype=np.uint8), [[f"random#{i}"] for i in range(rows)])
     writer.flush()
-    write_manifest(str(local), seq_len=SEQ, dtype="uint8", vocab_size=256, tokenizer="bytes",
-                   splits={"train": writer.shards, "eval": []}, source={"kind": "bench"})
+    write_manifest(
+        str(local), seq_len=SEQ, dtype="uint8", vocab_size=256, tokenizer="bytes", splits={"train": writer.shards, "eval": []}, source={"kind": "bench"}
+    )
     return str(local / "manifest.json")
 
 
@@ -97,8 +99,14 @@ def read_ours(manifest: str, epochs: int, cache_dir: str) -> dict:
     join_s = time.perf_counter() - first
     ray.get(cache.close.remote())
     hits, misses = (cache_stats[k] - snapshots[-1][k] for k in ("hits", "misses"))  # the last epoch: steady state
-    return {"mb_per_s": nbytes / 2**20 / elapsed, "epoch_s": epoch_times, "cache": cache_stats, "data_wait_s": wait,
-            "hit_rate": hits / (hits + misses), "join_first_batch_s": join_s}
+    return {
+        "mb_per_s": nbytes / 2**20 / elapsed,
+        "epoch_s": epoch_times,
+        "cache": cache_stats,
+        "data_wait_s": wait,
+        "hit_rate": hits / (hits + misses),
+        "join_first_batch_s": join_s,
+    }
 
 
 def read_direct(manifest: str) -> dict:
@@ -145,14 +153,26 @@ def train_wait_share(bucket: str, tmp: Path) -> dict:
     base = [f"data.cache_dir={tmp / 'corpus'}", "data.shard_bytes=200000", "data.corpus_bytes=2000000"]
     local = Path(ensure_corpus(load_config("tiny", base))).parent
     manifest = upload(local, bucket, "corpus")
-    cfg = load_config("tiny", [*base, f"data.source={manifest}", "train.steps=60", "train.global_batch=64",
-                               "train.micro_batch=32", "train.eval_every=0", "checkpoint.every=0", f"run.root={tmp / 'runs'}"])
+    cfg = load_config(
+        "tiny",
+        [
+            *base,
+            f"data.source={manifest}",
+            "train.steps=60",
+            "train.global_batch=64",
+            "train.micro_batch=32",
+            "train.eval_every=0",
+            "checkpoint.every=0",
+            f"run.root={tmp / 'runs'}",
+        ],
+    )
     run_dir = new_run_dir(cfg)
     train(cfg, run_dir, progress=False)
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     steady = steps[1:]  # the first step waits for the first shard: a start-up cost, not a stall
     return {
-        "steps": len(steps), "shards_fetched": sum(r["fetched_shards"] for r in steps),
+        "steps": len(steps),
+        "shards_fetched": sum(r["fetched_shards"] for r in steps),
         "wait_share": sum(r["data_wait_s"] for r in steady) / sum(r["step_time_s"] for r in steady),
         "first_step_wait_s": steps[0]["data_wait_s"],
     }
@@ -172,10 +192,16 @@ def main() -> None:
     results["direct_local"] = read_direct(local)
     print(f"direct pyarrow, local disk      {results['direct_local']['mb_per_s']:8.0f} MB/s", flush=True)
     results["ours_s3"] = read_ours(remote, 2, str(tmp / "cache"))
-    print(f"ours, S3 through 3-shard cache  {results['ours_s3']['mb_per_s']:8.0f} MB/s  hit rate {results['ours_s3']['hit_rate']:.1%}"
-          f"  join→first batch {results['ours_s3']['join_first_batch_s'] * 1000:.0f} ms", flush=True)
+    print(
+        f"ours, S3 through 3-shard cache  {results['ours_s3']['mb_per_s']:8.0f} MB/s  hit rate {results['ours_s3']['hit_rate']:.1%}"
+        f"  join→first batch {results['ours_s3']['join_first_batch_s'] * 1000:.0f} ms",
+        flush=True,
+    )
     results["ray_data_s3"] = read_ray_data(remote)
-    print(f"Ray Data read_parquet, S3       {results['ray_data_s3']['mb_per_s']:8.0f} MB/s  first batch {results['ray_data_s3']['first_batch_s']:.1f} s", flush=True)
+    print(
+        f"Ray Data read_parquet, S3       {results['ray_data_s3']['mb_per_s']:8.0f} MB/s  first batch {results['ray_data_s3']['first_batch_s']:.1f} s",
+        flush=True,
+    )
     results["training"] = train_wait_share(bucket, tmp)
     print(f"tiny training on S3: data wait {results['training']['wait_share']:.2%} of step time", flush=True)
     ours, ceiling = results["ours_s3"], results["direct_local"]["mb_per_s"]

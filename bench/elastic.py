@@ -43,8 +43,14 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def overrides(args) -> list[str]:
-    return [f"train.steps={args.steps}", "train.eval_every=0", "checkpoint.every=0", "cluster.num_workers=2",
-            "cluster.cpus_per_worker=1", f"data.cache_dir={args.data}"]
+    return [
+        f"train.steps={args.steps}",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "cluster.num_workers=2",
+        "cluster.cpus_per_worker=1",
+        f"data.cache_dir={args.data}",
+    ]
 
 
 # -- Ray Train ------------------------------------------------------------------
@@ -95,8 +101,10 @@ def ray_train_loop(config: dict) -> None:
             with tempfile.TemporaryDirectory() as d:
                 if rank == 0:
                     inner = model.module if hasattr(model, "module") else model
-                    torch.save({"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
-                                "scheduler": scheduler.state_dict(), "step": step + 1}, Path(d) / "state.pt")
+                    torch.save(
+                        {"model": inner.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step + 1},
+                        Path(d) / "state.pt",
+                    )
                 ray.train.report({"step": step + 1}, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
 
 
@@ -112,10 +120,17 @@ def run_ray_train(args) -> dict:
     manifest = ensure_corpus(cfg)
     ray.init(address="local", num_cpus=3, logging_level="warning")
     work = Path(tempfile.mkdtemp(prefix="raytrain-"))
-    config = {"cfg": cfg.model_dump(), "manifest": manifest, "log": str(work / "steps.jsonl"), "killed": str(work / "killed"),
-              "kill_at": args.kill_at, "ckpt_every": args.ckpt_every}
+    config = {
+        "cfg": cfg.model_dump(),
+        "manifest": manifest,
+        "log": str(work / "steps.jsonl"),
+        "killed": str(work / "killed"),
+        "kill_at": args.kill_at,
+        "ckpt_every": args.ckpt_every,
+    }
     trainer = TorchTrainer(
-        ray_train_loop, train_loop_config=config,
+        ray_train_loop,
+        train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(storage_path=str(work / "storage"), name="bench", failure_config=FailureConfig(max_failures=1)),
     )
@@ -145,8 +160,14 @@ def run_ours(args) -> dict:
     failed = next(r for r in steps if r["step"] == recover["step"] + 1)
     # "detect" starts at the failed step's dispatch, where the worker died; total_s runs until that step is
     # committed by the new group. A step the survivors had finished is committed without a loss, not redone.
-    return {"recovery_s": recover["total_s"], "steps_redone": int(failed.get("loss") is not None), "steps": len(steps), "phases": recover["phases"],
-            "joiners_from_pool": recover["joiners"], "world_after": recover["world_after"]}
+    return {
+        "recovery_s": recover["total_s"],
+        "steps_redone": int(failed.get("loss") is not None),
+        "steps": len(steps),
+        "phases": recover["phases"],
+        "joiners_from_pool": recover["joiners"],
+        "world_after": recover["world_after"],
+    }
 
 
 # -- a node added: Ray Train v2 elastic (num_workers=(1, 2)) vs our autoscaling -----
@@ -193,13 +214,20 @@ def run_ray_train_grow(args) -> dict:
     cfg = load_config("tiny", [*overrides(args), "train.steps=100000"])
     work = Path(tempfile.mkdtemp(prefix="raytrain-"))
     log = work / "steps.jsonl"
-    config = {"cfg": cfg.model_dump(), "manifest": ensure_corpus(cfg), "log": str(log), "killed": str(work / "killed"),
-              "kill_at": 0, "ckpt_every": args.ckpt_every}
+    config = {
+        "cfg": cfg.model_dump(),
+        "manifest": ensure_corpus(cfg),
+        "log": str(log),
+        "killed": str(work / "killed"),
+        "kill_at": 0,
+        "ckpt_every": args.ckpt_every,
+    }
 
     def start(address: str) -> None:
         ray.init(address=address, logging_level="warning")
         TorchTrainer(
-            ray_train_loop, train_loop_config=config,
+            ray_train_loop,
+            train_loop_config=config,
             scaling_config=ScalingConfig(num_workers=(1, 2), use_gpu=False, resources_per_worker={"CPU": 1}),
             run_config=RunConfig(storage_path=str(work / "storage"), name="bench"),
         ).fit()
@@ -218,8 +246,17 @@ def run_ours_grow(args) -> dict:
     from app.job import new_run_dir, train
     from app.metrics import read_jsonl
 
-    cfg = load_config("tiny", [*overrides(args), "train.steps=100000", "cluster.num_workers=1", "cluster.max_workers=2",
-                               "cluster.warm_pool=1", f"run.root={tempfile.mkdtemp(prefix='ours-')}"])
+    cfg = load_config(
+        "tiny",
+        [
+            *overrides(args),
+            "train.steps=100000",
+            "cluster.num_workers=1",
+            "cluster.max_workers=2",
+            "cluster.warm_pool=1",
+            f"run.root={tempfile.mkdtemp(prefix='ours-')}",
+        ],
+    )
     run_dir = new_run_dir(cfg)
 
     def start(address: str) -> None:
@@ -242,8 +279,7 @@ def measure(args, variant: str) -> dict:
     launched = time.time()
     # Its own process group: a variant that leaves mid-run (the node-added ones) leaves Ray processes
     # behind, and they go with the group.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     stdout, stderr = proc.communicate()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -254,8 +290,18 @@ def measure(args, variant: str) -> dict:
 
 
 def forward(args) -> list[str]:
-    return ["--steps", str(args.steps), "--kill-at", str(args.kill_at), "--ckpt-every", str(args.ckpt_every),
-            "--grow-timeout", str(args.grow_timeout), "--data", args.data]
+    return [
+        "--steps",
+        str(args.steps),
+        "--kill-at",
+        str(args.kill_at),
+        "--ckpt-every",
+        str(args.ckpt_every),
+        "--grow-timeout",
+        str(args.grow_timeout),
+        "--data",
+        args.data,
+    ]
 
 
 def main() -> None:

@@ -23,8 +23,12 @@ from app.config import load_config
 from tune.search import run_search
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SPACE = {"optim.lr": {"loguniform": [1.0e-4, 3.0e-2]}, "optim.warmup_steps": {"int": [0, 30]},
-         "optim.weight_decay": {"uniform": [0.0, 0.3]}, "optim.beta2": {"uniform": [0.9, 0.999]}}
+SPACE = {
+    "optim.lr": {"loguniform": [1.0e-4, 3.0e-2]},
+    "optim.warmup_steps": {"int": [0, 30]},
+    "optim.weight_decay": {"uniform": [0.0, 0.3]},
+    "optim.beta2": {"uniform": [0.9, 0.999]},
+}
 VARIANTS = {"tpe": ("tpe", True), "random": ("random", True), "tpe_no_pruning": ("tpe", False)}
 
 
@@ -40,8 +44,18 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     from tune.space import parameter
 
-    base = load_config("tiny", [f"data.cache_dir={args.data}", f"train.steps={args.steps}", f"train.eval_every={max(1, args.steps // 6)}",
-                                "checkpoint.every=0", "cluster.num_workers=1", "cluster.warm_pool=0", *args.set])
+    base = load_config(
+        "tiny",
+        [
+            f"data.cache_dir={args.data}",
+            f"train.steps={args.steps}",
+            f"train.eval_every={max(1, args.steps // 6)}",
+            "checkpoint.every=0",
+            "cluster.num_workers=1",
+            "cluster.warm_pool=0",
+            *args.set,
+        ],
+    )
     space = {k: parameter(k, v, base) for k, v in SPACE.items()}
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=max(4, args.concurrency * 2), include_dashboard=False, logging_level="warning")
@@ -50,23 +64,49 @@ def main(argv: list[str] | None = None) -> dict:
         for seed in range(args.seeds):
             for name, (sampler, pruning) in VARIANTS.items():
                 started = time.perf_counter()
-                rows = run_search(base, space, args.trials, Path(tmp) / f"{name}-{seed}", concurrency=args.concurrency, seed=seed,
-                                  sampler=sampler, pruning=pruning, progress=False)
+                rows = run_search(
+                    base,
+                    space,
+                    args.trials,
+                    Path(tmp) / f"{name}-{seed}",
+                    concurrency=args.concurrency,
+                    seed=seed,
+                    sampler=sampler,
+                    pruning=pruning,
+                    progress=False,
+                )
                 done = [r for r in rows if r["status"] == "completed"]
-                run = {"seed": seed, "best_eval_loss": min(r["eval_loss"] for r in done), "trial_steps": sum(r["steps"] for r in rows),
-                       "completed": len(done), "pruned": sum(r["status"] == "pruned" for r in rows),
-                       "failed": sum(r["status"] == "failed" for r in rows), "wall_s": time.perf_counter() - started}
+                run = {
+                    "seed": seed,
+                    "best_eval_loss": min(r["eval_loss"] for r in done),
+                    "trial_steps": sum(r["steps"] for r in rows),
+                    "completed": len(done),
+                    "pruned": sum(r["status"] == "pruned" for r in rows),
+                    "failed": sum(r["status"] == "failed" for r in rows),
+                    "wall_s": time.perf_counter() - started,
+                }
                 runs[name].append(run)
                 print(f"seed {seed} {name:>15}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in run.items()})}", flush=True)
-    mean = {name: {"best_eval_loss": statistics.mean(r["best_eval_loss"] for r in rs), "trial_steps": statistics.mean(r["trial_steps"] for r in rs)}
-            for name, rs in runs.items()}
+    mean = {
+        name: {"best_eval_loss": statistics.mean(r["best_eval_loss"] for r in rs), "trial_steps": statistics.mean(r["trial_steps"] for r in rs)}
+        for name, rs in runs.items()
+    }
     ratios = {
         "tpe_vs_random_mean_best_loss": mean["tpe"]["best_eval_loss"] / mean["random"]["best_eval_loss"],
         "asha_steps_saved": 1 - mean["tpe"]["trial_steps"] / mean["tpe_no_pruning"]["trial_steps"],
         "asha_best_loss_change": mean["tpe"]["best_eval_loss"] / mean["tpe_no_pruning"]["best_eval_loss"] - 1,
     }
-    report = {"machine": "2 cores, tiny GPT, 1 worker per trial", "trials": args.trials, "seeds": args.seeds, "steps": args.steps,
-              "concurrency": args.concurrency, "space": SPACE, "runs": runs, "mean": mean, "ratios": ratios}
+    report = {
+        "machine": "2 cores, tiny GPT, 1 worker per trial",
+        "trials": args.trials,
+        "seeds": args.seeds,
+        "steps": args.steps,
+        "concurrency": args.concurrency,
+        "space": SPACE,
+        "runs": runs,
+        "mean": mean,
+        "ratios": ratios,
+    }
     print(json.dumps(ratios, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -30,9 +30,17 @@ WARMUP = 5  # steps excluded from tokens/s (allocator, gloo buffers, first-touch
 
 def overrides(args, workers: int, cpus: int) -> list[str]:
     return [
-        f"model.n_layer={args.layers}", f"model.d_model={args.width}", "model.n_head=4", f"model.seq_len={args.seq}",
-        f"train.steps={args.steps}", f"train.global_batch={args.batch}", f"train.micro_batch={args.batch}",
-        "train.eval_every=0", "checkpoint.every=0", f"cluster.num_workers={workers}", f"cluster.cpus_per_worker={cpus}",
+        f"model.n_layer={args.layers}",
+        f"model.d_model={args.width}",
+        "model.n_head=4",
+        f"model.seq_len={args.seq}",
+        f"train.steps={args.steps}",
+        f"train.global_batch={args.batch}",
+        f"train.micro_batch={args.batch}",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        f"cluster.num_workers={workers}",
+        f"cluster.cpus_per_worker={cpus}",
         f"data.cache_dir={args.data}",
     ]
 
@@ -180,7 +188,9 @@ def measure(args, variant: str, workers: int, cpus: int) -> dict:
     times = json.loads(out.stdout.strip().splitlines()[-1])
     tokens_per_step = args.batch * args.seq
     return {
-        "variant": variant, "workers": workers, "cpus_per_worker": cpus,
+        "variant": variant,
+        "workers": workers,
+        "cpus_per_worker": cpus,
         "tokens_per_s": steady_tokens_per_s(times, tokens_per_step),
         "first_step_s": times[0] - launched,
         "wall_s": time.time() - launched,
@@ -188,8 +198,20 @@ def measure(args, variant: str, workers: int, cpus: int) -> dict:
 
 
 def forward(args) -> list[str]:
-    return ["--steps", str(args.steps), "--layers", str(args.layers), "--width", str(args.width),
-            "--seq", str(args.seq), "--batch", str(args.batch), "--data", args.data]
+    return [
+        "--steps",
+        str(args.steps),
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+        "--seq",
+        str(args.seq),
+        "--batch",
+        str(args.batch),
+        "--data",
+        args.data,
+    ]
 
 
 def main() -> None:
@@ -246,7 +268,18 @@ def report(rows: list[dict], args) -> None:
         print(f"{name:40s} {value:7.2f}  {op} {goal if goal is not None else ''} {ok}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "throughput.json"
-    out.write_text(json.dumps({"args": vars(args), "rows": rows, "medians": {f"{v}-{w}w": m for (v, w), m in get.items()}, "ratios": ratios, "when": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "rows": rows,
+                "medians": {f"{v}-{w}w": m for (v, w), m in get.items()},
+                "ratios": ratios,
+                "when": time.strftime("%Y-%m-%d %H:%M"),
+            },
+            indent=1,
+        )
+    )
     print(f"\nwritten: {out}")
 
 

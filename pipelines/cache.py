@@ -153,7 +153,10 @@ class ShardCache:
                     self.stats_["fetched_bytes"] += len(data)
                 return str(target)
             log.warning("shard %s failed its sha256 check (attempt %d)", entry["path"], attempt + 1)
-        raise ShardError(f"shard {posixpath.join(self.root, entry['path'])} does not match its manifest sha256 after a re-fetch; it is corrupt at the source: re-run `etrain prepare`")
+        raise ShardError(
+            f"shard {posixpath.join(self.root, entry['path'])} does not match its manifest sha256 after a re-fetch; "
+            "it is corrupt at the source: re-run `etrain prepare`"
+        )
 
     def _fetch(self, uri: str) -> bytes:
         for attempt in range(RETRIES):
@@ -184,4 +187,3 @@ def remove_orphans(parent: Path) -> None:
         named = re.fullmatch(r"[0-9a-f]{12}-(\d+)", d.name)
         if named and d.is_dir() and not pid_alive(int(named.group(1))):
             shutil.rmtree(d, ignore_errors=True)
-

@@ -104,8 +104,13 @@ def build(out: Path, params: dict) -> dict:
         writers[split].flush()
     source = {"kind": "embedded-stdlib", "documents": {s: len(n) for s, n in names.items()}, "raw_bytes": total, **params}
     return write_manifest(
-        str(out), seq_len=params["seq_len"], dtype="uint8", vocab_size=tokenizer.VOCAB_SIZE,
-        tokenizer="bytes", splits={s: w.shards for s, w in writers.items()}, source=source,
+        str(out),
+        seq_len=params["seq_len"],
+        dtype="uint8",
+        vocab_size=tokenizer.VOCAB_SIZE,
+        tokenizer="bytes",
+        splits={s: w.shards for s, w in writers.items()},
+        source=source,
     )
 
 

@@ -37,8 +37,7 @@ from pipelines.shards import SplitWriter, pack_rows, write_manifest
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
-STAGES = ("reading, normalising, filtering", "exact duplicates", "near duplicates (MinHash)", "tokenising, packing, writing shards",
-          "manifest and report")
+STAGES = ("reading, normalising, filtering", "exact duplicates", "near duplicates (MinHash)", "tokenising, packing, writing shards", "manifest and report")
 
 
 def prepare(srcs: list[str], out: str, cfg: Config, overwrite: bool = False, storage: dict | None = None, progress: bool = True) -> dict:
@@ -56,6 +55,7 @@ def prepare(srcs: list[str], out: str, cfg: Config, overwrite: bool = False, sto
     # Ray 2.60's default shuffle (SHUFFLE_V2) fails on the empty blocks a filter leaves ("No match for FieldRef").
     context.shuffle_strategy = ray.data.context.ShuffleStrategy.HASH_SHUFFLE
     with tqdm(total=len(STAGES), unit="stage", desc=f"prepare: {STAGES[0]}", disable=not progress, file=sys.stderr) as stages:
+
         def next_stage(index: int, **counts) -> None:
             stages.set_description(f"prepare: {STAGES[index]}", refresh=False)
             stages.set_postfix(counts, refresh=False)
@@ -75,7 +75,12 @@ def prepare(srcs: list[str], out: str, cfg: Config, overwrite: bool = False, sto
         rejected = _quarantine(docs, duplicates) + [{"doc_id": -1, "path": p, "row": 0, "reason": "unreadable", "detail": why} for p, why in missing]
         next_stage(3, rejected=len(rejected))
         staging = _staging(out, fs, root)
-        packed = final.map(partial(assign, cfg=cfg)).groupby("group", num_partitions=parts).map_groups(partial(pack, out=staging, cfg=cfg, storage=storage), batch_format="pandas").take_all()
+        packed = (
+            final.map(partial(assign, cfg=cfg))
+            .groupby("group", num_partitions=parts)
+            .map_groups(partial(pack, out=staging, cfg=cfg, storage=storage), batch_format="pandas")
+            .take_all()
+        )
         next_stage(4, shards=sum(len(json.loads(r["entries"])) for r in packed))
         report = _finish(out, staging, fs, root, cfg, packed, rejected, read=docs.count() + len(missing), storage=storage)
         stages.update()
@@ -88,11 +93,13 @@ def open_output(out: str, storage: dict):
         fs, root = fsspec.core.url_to_fs(out, **storage)
         fs.exists(root)  # an object store's client is made here, with the options
     except TypeError as e:
-        raise ConfigError(f"--storage-option for {out}: {e}; pass options of its fsspec filesystem "
-                          f"(for s3://: endpoint_url, key, secret, client_kwargs, ...)") from None
+        raise ConfigError(
+            f"--storage-option for {out}: {e}; pass options of its fsspec filesystem (for s3://: endpoint_url, key, secret, client_kwargs, ...)"
+        ) from None
     except STORAGE_ERRORS as e:
-        raise StorageError(f"cannot reach the output {out}: {describe(e)}; check the endpoint (--storage-option "
-                           f"endpoint_url=..., or AWS_ENDPOINT_URL) and the credentials") from None
+        raise StorageError(
+            f"cannot reach the output {out}: {describe(e)}; check the endpoint (--storage-option endpoint_url=..., or AWS_ENDPOINT_URL) and the credentials"
+        ) from None
     return fs, root
 
 
@@ -190,7 +197,9 @@ def _near_duplicates(unique, cfg: PrepareConfig, parts: int) -> dict[int, int]:
         found = [(ids[i], ids[j]) for i in range(len(ids)) for j in range(i + 1, len(ids)) if dedup.similarity(sigs[i], sigs[j]) >= cfg.near_dup_threshold]
         return {"a": [a for a, _ in found], "b": [b for _, b in found]}
 
-    candidates = unique.select_columns(["doc_id", "sig"]).flat_map(keys).groupby("band", num_partitions=parts).map_groups(pairs, batch_format="pandas").take_all()
+    candidates = (
+        unique.select_columns(["doc_id", "sig"]).flat_map(keys).groupby("band", num_partitions=parts).map_groups(pairs, batch_format="pandas").take_all()
+    )
     roots = dedup.clusters([(int(r["a"]), int(r["b"])) for r in candidates])
     return {d: root for d, root in roots.items() if d != root}
 
@@ -237,21 +246,34 @@ def _finish(out, staging, fs, root, cfg: Config, packed: list[dict], rejected: l
     rejected.sort(key=lambda r: (r["doc_id"], r["path"]))
     reasons = Counter(r["reason"] for r in rejected)
     report = {
-        "documents_read": read, "documents_kept": read - len(rejected), "documents_rejected": len(rejected),
+        "documents_read": read,
+        "documents_kept": read - len(rejected),
+        "documents_rejected": len(rejected),
         "rejected_by_reason": dict(sorted(reasons.items())),
         "duplicates_removed": reasons["duplicate_exact"] + reasons["duplicate_near"],
-        "tokens": sum(r["tokens"] for r in packed), "tokens_dropped_at_packing": sum(r["dropped_tokens"] for r in packed),
+        "tokens": sum(r["tokens"] for r in packed),
+        "tokens_dropped_at_packing": sum(r["dropped_tokens"] for r in packed),
         "shards": sum(len(v) for v in splits.values()),
         "samples": {s: sum(e["samples"] for e in v) for s, v in splits.items()},
     }
     if not splits["train"]:
-        raise ConfigError(f"no training data left: {report['documents_rejected']} of {read} documents rejected ({dict(reasons)}); see the thresholds under prepare.*")
+        raise ConfigError(
+            f"no training data left: {report['documents_rejected']} of {read} documents rejected ({dict(reasons)}); see the thresholds under prepare.*"
+        )
     sfs, sroot = fsspec.core.url_to_fs(staging, **storage)
     sfs.makedirs(sroot, exist_ok=True)
     sfs.pipe_file(posixpath.join(sroot, "quarantine.jsonl"), "".join(json.dumps(r) + "\n" for r in rejected).encode())
     sfs.pipe_file(posixpath.join(sroot, "report.json"), json.dumps(report, indent=1).encode())
-    write_manifest(staging, seq_len=cfg.model.seq_len, dtype="uint8", vocab_size=tokenizer.VOCAB_SIZE, tokenizer="bytes",
-                   splits=splits, source={"kind": "prepare", "prepare": cfg.prepare.model_dump(), "report": "report.json"}, storage=storage)
+    write_manifest(
+        staging,
+        seq_len=cfg.model.seq_len,
+        dtype="uint8",
+        vocab_size=tokenizer.VOCAB_SIZE,
+        tokenizer="bytes",
+        splits=splits,
+        source={"kind": "prepare", "prepare": cfg.prepare.model_dump(), "report": "report.json"},
+        storage=storage,
+    )
     if staging != out:
         if fs.exists(root):
             shutil.rmtree(root)  # only reached with --overwrite

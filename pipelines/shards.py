@@ -78,7 +78,9 @@ class SplitWriter:
         return {"path": name, "samples": len(rows), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def write_manifest(out: str, *, seq_len: int, dtype: str, vocab_size: int, tokenizer: str, splits: dict[str, list[dict]], source: dict, storage: dict | None = None) -> dict:
+def write_manifest(
+    out: str, *, seq_len: int, dtype: str, vocab_size: int, tokenizer: str, splits: dict[str, list[dict]], source: dict, storage: dict | None = None
+) -> dict:
     manifest = {
         "format": FORMAT,
         "tokenizer": tokenizer,
@@ -115,8 +117,10 @@ def training_manifest(uri: str) -> dict:
     splits = manifest.get("splits") if isinstance(manifest.get("splits"), dict) else {}
     for split in ("train", "eval"):
         if not (splits.get(split) or {}).get("samples"):
-            raise ShardError(f"manifest {uri} has no {split!r} split with samples (splits: {sorted(splits) or 'none'}); "
-                             f"prepare the data with `etrain prepare`, which writes both (data.eval_fraction sets the eval share)")
+            raise ShardError(
+                f"manifest {uri} has no {split!r} split with samples (splits: {sorted(splits) or 'none'}); "
+                f"prepare the data with `etrain prepare`, which writes both (data.eval_fraction sets the eval share)"
+            )
     return manifest
 
 

@@ -7,9 +7,9 @@ import socket
 
 import pytest
 import ray
+from faults import S3Faults
 
 from app.config import Config, load_config
-from faults import S3Faults
 
 
 @pytest.fixture(scope="session")
@@ -23,8 +23,10 @@ def s3_proxy() -> S3Faults:
     server.start()
     proxy = S3Faults(f"http://127.0.0.1:{port}")
     env = {
-        "AWS_ENDPOINT_URL": proxy.endpoint, "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": proxy.endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -74,8 +76,14 @@ def ray_session(s3_server) -> int | None:
         return
     port = free_port()
     # 4 logical CPUs on 2 cores: room for 3 workers; a test never shares a core budget with another suite.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning",  # never a stray cluster
-             _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 1000})
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        logging_level="warning",  # never a stray cluster
+        _metrics_export_port=port,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
     yield port
     ray.shutdown()
 
@@ -88,8 +96,13 @@ def data_dir(tmp_path_factory) -> str:
 def _cfg_maker(data_dir: str, root) -> callable:
     def make(*overrides: str) -> Config:
         base = [
-            f"data.cache_dir={data_dir}", "data.corpus_bytes=1500000", "data.shard_bytes=200000",
-            f"run.root={root / 'runs'}", "train.steps=8", "train.eval_every=4", "checkpoint.every=4",
+            f"data.cache_dir={data_dir}",
+            "data.corpus_bytes=1500000",
+            "data.shard_bytes=200000",
+            f"run.root={root / 'runs'}",
+            "train.steps=8",
+            "train.eval_every=4",
+            "checkpoint.every=4",
         ]
         return load_config("tiny", [*base, *overrides])
 

@@ -51,13 +51,28 @@ class FakeCluster:
         config_path = self.workdir / "cluster-fake.yaml"
         config_path.write_text(yaml.safe_dump(config))
         env = {**self.env, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
-        cmd = [RAY, "start", "--head", "--block", f"--port={self.port}", f"--num-cpus={self.head_cpus}",
-               f"--temp-dir={self.temp_dir}", f"--autoscaling-config={config_path}", "--dashboard-host=127.0.0.1",
-               f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={free_port()}",
-               "--node-manager-port=0", "--object-manager-port=0", "--min-worker-port=0", "--max-worker-port=0",
-               # Ports of their own: the session's Ray holds the defaults (the job agent's 52365 above all).
-               f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-               f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
+        cmd = [
+            RAY,
+            "start",
+            "--head",
+            "--block",
+            f"--port={self.port}",
+            f"--num-cpus={self.head_cpus}",
+            f"--temp-dir={self.temp_dir}",
+            f"--autoscaling-config={config_path}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={free_port()}",
+            "--node-manager-port=0",
+            "--object-manager-port=0",
+            "--min-worker-port=0",
+            "--max-worker-port=0",
+            # Ports of their own: the session's Ray holds the defaults (the job agent's 52365 above all).
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+        ]
         self.log = open(self.workdir / "head.log", "wb")
         self.head = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         try:

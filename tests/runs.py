@@ -19,8 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Short timeouts so a broken path fails fast; no evaluations or checkpoints unless a test asks. A fixed
 # (equal) split, so runs compare bitwise: speed-based splits depend on timing (tests/test_comm.py has them).
-FAST = ["cluster.warm_pool=1", "train.eval_every=0", "checkpoint.every=0", "timeouts.collective_s=5", "timeouts.step_s=15",
-        "timeouts.join_s=60", "balance.enabled=false"]
+FAST = [
+    "cluster.warm_pool=1",
+    "train.eval_every=0",
+    "checkpoint.every=0",
+    "timeouts.collective_s=5",
+    "timeouts.step_s=15",
+    "timeouts.join_s=60",
+    "balance.enabled=false",
+]
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
@@ -66,8 +73,14 @@ def start_driver(cfg, tmp_path: Path, *args: str) -> subprocess.Popen:
     config.write_text(cfg.to_yaml())
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     code = "import sys; from app.cli import main; sys.exit(main())"
-    return subprocess.Popen([sys.executable, "-c", code, "train", "--config", str(config), "--no-progress", *args],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, "train", "--config", str(config), "--no-progress", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_step(run_dir: Path, step: int, driver: subprocess.Popen) -> None:

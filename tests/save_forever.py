@@ -15,9 +15,11 @@ from app import checkpoint
 def main(uri: str, step: int) -> None:
     while True:
         started = time.perf_counter()
-        parts = {"model.pt": {f"w{i}": torch.full((256, 1024), float(step)) for i in range(4)},
-                 "optim.pt": {"state": {i: {"exp_avg": torch.full((256, 1024), float(step))} for i in range(4)}},
-                 "extra.pt": {"step": step}}
+        parts = {
+            "model.pt": {f"w{i}": torch.full((256, 1024), float(step)) for i in range(4)},
+            "optim.pt": {"state": {i: {"exp_avg": torch.full((256, 1024), float(step))} for i in range(4)}},
+            "extra.pt": {"step": step},
+        }
         checkpoint.save(uri, step, parts, {"cursor": step * 16}, keep=2)
         print(f"saved {step} {time.perf_counter() - started:.4f}", flush=True)
         step += 1

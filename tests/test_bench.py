@@ -12,9 +12,28 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_throughput_plain_variant_runs(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "throughput.py"), "--variant", "plain", "--steps", "8", "--layers", "1",
-         "--width", "64", "--batch", "4", "--cpus", "1", "--data", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "throughput.py"),
+            "--variant",
+            "plain",
+            "--steps",
+            "8",
+            "--layers",
+            "1",
+            "--width",
+            "64",
+            "--batch",
+            "4",
+            "--cpus",
+            "1",
+            "--data",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     times = json.loads(out.stdout.strip().splitlines()[-1])
@@ -42,4 +61,3 @@ def test_comm_bench_runs_a_straggler_variant_and_compares(ray_session, data_dir,
     assert result["bytes_per_worker_step"] == result["dense_bytes_per_worker_step"] > 0
     ratios = comm.compare({"static": result | {"samples_per_s": result["samples_per_s"] / 2}, "balanced": result})
     assert ratios["balanced_vs_static_throughput"] == 2.0
-

@@ -97,8 +97,7 @@ def test_retention_keeps_last_k_full_and_the_light_ones_after_them(tmp_path):
     save_light(uri, 10, 8, 10.0)
     (tmp_path / "ck" / "step-00000011").mkdir()  # a save in flight: not debris yet
     checkpoint.retain(uri, keep=2)
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
-        "step-00000006", "step-00000008", "step-00000009", "step-00000010", "step-00000011"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000006", "step-00000008", "step-00000009", "step-00000010", "step-00000011"]
 
 
 def test_weights_only_refuses_arbitrary_pickles():
@@ -155,7 +154,7 @@ def test_part_cut_short_is_detected(tmp_path, cut):
     checkpoint.save(uri, 10, parts(2.0), {}, keep=3)
     target = tmp_path / "ck" / "step-00000010" / "extra.pt"
     data = target.read_bytes()
-    target.write_bytes(data[:cut] if cut >= 0 else data[:len(data) + cut])
+    target.write_bytes(data[:cut] if cut >= 0 else data[: len(data) + cut])
     assert checkpoint.load_latest(uri).meta["step"] == 5
 
 

@@ -13,7 +13,7 @@ import re
 import signal
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -33,9 +33,19 @@ def cluster(tmp_path_factory):
 
 
 def submit(cluster: FakeCluster, data_dir: str, root: Path, name: str, *overrides: str) -> str:
-    sets = [f"data.cache_dir={data_dir}", "data.corpus_bytes=1500000", "data.shard_bytes=200000", f"run.root={root}",
-            f"run.name={name}", "cluster.num_workers=1", "cluster.max_workers=2", "cluster.warm_pool=1",
-            "train.eval_every=0", "checkpoint.every=0", *overrides]
+    sets = [
+        f"data.cache_dir={data_dir}",
+        "data.corpus_bytes=1500000",
+        "data.shard_bytes=200000",
+        f"run.root={root}",
+        f"run.name={name}",
+        "cluster.num_workers=1",
+        "cluster.max_workers=2",
+        "cluster.warm_pool=1",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        *overrides,
+    ]
     # No --working-dir here (README's recipe for a real cluster has it): the fake nodes share this
     # machine's disk and session directory, so one node's runtime-env agent deletes the unpacked
     # package from under the other nodes' workers. The project is installed in the venv they all use.
@@ -60,6 +70,7 @@ def wait_for(what: str, predicate, timeout: float = 120, every: float = 0.5):
 
 def wait_job(cluster: FakeCluster, job: str, timeout: float = 300) -> str:
     """How the job ended, as `ray job status` says it ("Job 'X' succeeded")."""
+
     def ended():
         found = re.search(r"Job '.*' (succeeded|failed|stopped)", cluster.run("ray", "job", "status", job).stdout)
         return found and found[1]
@@ -91,7 +102,7 @@ def fake_imds(when: float):
             polls.append(self.path)
             if len(polls) == 1:
                 return self._send(404, b"")
-            stamp = datetime.fromtimestamp(when, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            stamp = datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             self._send(200, json.dumps({"action": "terminate", "time": stamp}).encode())
 
         def _send(self, code: int, body: bytes):

@@ -118,8 +118,7 @@ def error_feedback(rank: int) -> dict:
 
 def rank_main(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks on two cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
     results = {mode: round_trip(rank, mode) for mode in ("none", "fp16", "bf16", "powersgd", "topk")}
     results["error_feedback"] = error_feedback(rank)
     torch.save(results, f"{out_dir}/{rank}.pt")
@@ -191,7 +190,7 @@ def test_topk_keeps_the_largest_entries_of_each_segment():
     sent = topk_decompress(payload, g.numel(), 0.1)  # what this one rank contributes
     assert torch.equal(sent + residual, g)  # the residual holds fp16's rounding too
     for start in range(0, g.numel(), SEGMENT):
-        seg_g, seg_sent = g[start:start + SEGMENT], sent[start:start + SEGMENT]
+        seg_g, seg_sent = g[start : start + SEGMENT], sent[start : start + SEGMENT]
         kept = seg_sent != 0
         assert kept.sum() == math.ceil(0.1 * len(seg_g))
         assert seg_g[kept].abs().min() >= seg_g[~kept].abs().max()

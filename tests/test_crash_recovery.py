@@ -51,7 +51,7 @@ def test_killed_job_resumes_exactly(make_cfg, tmp_path, victim, reference):
     if victim == "coordinator":  # the driver names it in one line, with no traceback (issue 15, defect 8)
         err = driver.stderr.read()
         assert driver.returncode == 1 and "Traceback" not in err, err
-        assert f"etrain: training failed: the job's coordinator died" in err and f"--resume {run_dir}" in err
+        assert "etrain: training failed: the job's coordinator died" in err and f"--resume {run_dir}" in err
     crashed_at = max(losses(run_dir))
     assert crashed_at < 24
 

@@ -19,7 +19,7 @@ from runs import FAST, records
 from app.cli import main
 from app.job import new_run_dir, train
 
-SAMPLE = re.compile(r'^(ray_etrain_\w+)\{([^}]*)\} (\S+)$')
+SAMPLE = re.compile(r"^(ray_etrain_\w+)\{([^}]*)\} (\S+)$")
 
 
 def scrape(port: int, run: str) -> dict[tuple[str, str], float]:
@@ -36,12 +36,25 @@ def scrape(port: int, run: str) -> dict[tuple[str, str], float]:
     return values
 
 
-WANTED = [("ray_etrain_step", ""), ("ray_etrain_loss", ""), ("ray_etrain_tokens_per_second", ""), ("ray_etrain_mfu", ""),
-          ("ray_etrain_grad_norm", ""), ("ray_etrain_world_size", ""), ("ray_etrain_warm_pool_size", ""),
-          ("ray_etrain_cache_hit_rate", ""), ("ray_etrain_fetched_bytes_total", ""), ("ray_etrain_eval_loss", ""),
-          ("ray_etrain_checkpoint_step", ""), ("ray_etrain_step_seconds", "compute"), ("ray_etrain_step_seconds", "communication"),
-          ("ray_etrain_step_seconds", "data_wait"), ("ray_etrain_scale_events_total", "scale-out"),
-          ("ray_etrain_scale_latency_seconds", "scale-out"), ("ray_etrain_grad_norm_distribution_count", "")]
+WANTED = [
+    ("ray_etrain_step", ""),
+    ("ray_etrain_loss", ""),
+    ("ray_etrain_tokens_per_second", ""),
+    ("ray_etrain_mfu", ""),
+    ("ray_etrain_grad_norm", ""),
+    ("ray_etrain_world_size", ""),
+    ("ray_etrain_warm_pool_size", ""),
+    ("ray_etrain_cache_hit_rate", ""),
+    ("ray_etrain_fetched_bytes_total", ""),
+    ("ray_etrain_eval_loss", ""),
+    ("ray_etrain_checkpoint_step", ""),
+    ("ray_etrain_step_seconds", "compute"),
+    ("ray_etrain_step_seconds", "communication"),
+    ("ray_etrain_step_seconds", "data_wait"),
+    ("ray_etrain_scale_events_total", "scale-out"),
+    ("ray_etrain_scale_latency_seconds", "scale-out"),
+    ("ray_etrain_grad_norm_distribution_count", ""),
+]
 
 
 def test_metrics_status_and_report_of_a_live_run(ray_session, make_cfg, capsys):
@@ -81,8 +94,10 @@ def test_metrics_status_and_report_of_a_live_run(ray_session, make_cfg, capsys):
     assert seen["stopped_at"] < cfg.train.steps  # scraped from the live run, not after it
     # Every gauge holds a value the run recorded (the scrape lags the records by up to one export interval).
     assert 1 <= values[("ray_etrain_step", "")] <= seen["stopped_at"]
-    recorded = {name: [r[field] for r in train_records if r.get(field) is not None]
-                for name, field in [("loss", "loss"), ("tokens_per_second", "tokens_per_s"), ("mfu", "mfu"), ("grad_norm", "grad_norm")]}
+    recorded = {
+        name: [r[field] for r in train_records if r.get(field) is not None]
+        for name, field in [("loss", "loss"), ("tokens_per_second", "tokens_per_s"), ("mfu", "mfu"), ("grad_norm", "grad_norm")]
+    }
     for name, values_recorded in recorded.items():
         value = values[(f"ray_etrain_{name}", "")]
         assert any(math.isclose(value, v, rel_tol=1e-6) for v in values_recorded), f"{name} = {value} was never recorded"

@@ -96,8 +96,7 @@ def parsed_metric_names() -> dict[str, str]:
             continue
         for gen in comp.generators:
             it = gen.iter
-            if (isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr in ("items", "keys")
-                    and isinstance(it.func.value, ast.Dict)):
+            if isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr in ("items", "keys") and isinstance(it.func.value, ast.Dict):
                 keys = [ast.literal_eval(k) for k in it.func.value.keys]
                 var = gen.target.elts[0] if isinstance(gen.target, ast.Tuple) else gen.target
                 for call in ast.walk(comp):
@@ -175,7 +174,7 @@ def test_queries_use_the_variables(dashboard):
         assert target["datasource"]["uid"] == "${datasource}", panel["title"]
         expr = target["expr"]
         for m in METRIC.finditer(expr):
-            assert expr[m.end():].startswith('{run=~"$run"'), f"{panel['title']}: {m.group()} is not filtered by $run"
+            assert expr[m.end() :].startswith('{run=~"$run"'), f"{panel['title']}: {m.group()} is not filtered by $run"
         assert "{{run}}" in target["legendFormat"] or target.get("format") == "heatmap", panel["title"]
 
 

@@ -57,8 +57,9 @@ def sources(tmp_path_factory) -> Path:
 
 def run_prepare(sources: Path, out: str, *extra: str) -> int:
     args = [str(sources / "docs"), str(sources / "more.jsonl"), str(sources / "table.parquet"), str(sources / "missing.txt")]
-    return main(["prepare", *args, "--out", out, "--field", "body", "--column", "content",
-                 "--set", "data.eval_fraction=0.25", "--set", "data.shard_bytes=8000", *extra])
+    return main(
+        ["prepare", *args, "--out", out, "--field", "body", "--column", "content", "--set", "data.eval_fraction=0.25", "--set", "data.shard_bytes=8000", *extra]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +74,16 @@ def test_prepare_accounts_for_every_document(prepared):
     report = json.loads((out / "report.json").read_text())
     quarantine = [json.loads(line) for line in (out / "quarantine.jsonl").read_text().splitlines()]
     assert report["rejected_by_reason"] == {
-        "binary": 1, "duplicate_exact": 1, "duplicate_near": 1, "invalid_json": 1, "invalid_utf8": 1,
-        "no_text_in_body": 1, "repeated_lines": 1, "symbols_digits": 1, "too_short": 1, "unreadable": 1,
+        "binary": 1,
+        "duplicate_exact": 1,
+        "duplicate_near": 1,
+        "invalid_json": 1,
+        "invalid_utf8": 1,
+        "no_text_in_body": 1,
+        "repeated_lines": 1,
+        "symbols_digits": 1,
+        "too_short": 1,
+        "unreadable": 1,
     }
     # 19 files in docs/ + 7 JSONL lines + 4 Parquet rows + 1 missing argument
     assert report["documents_read"] == 31 == report["documents_kept"] + report["documents_rejected"]
@@ -110,8 +119,10 @@ def test_prepare_and_train_on_s3(sources, s3_bucket, make_cfg, tmp_path):
     fs.put(str(sources) + "/", f"{s3_bucket}/raw/", recursive=True)
     out = f"{s3_bucket}/corpus"
     args = [f"{s3_bucket}/raw/docs", f"{s3_bucket}/raw/more.jsonl", f"{s3_bucket}/raw/table.parquet"]
-    assert main(["prepare", *args, "--out", out, "--field", "body", "--column", "content",
-                 "--set", "data.eval_fraction=0.25", "--set", "data.shard_bytes=8000"]) == 0
+    assert (
+        main(["prepare", *args, "--out", out, "--field", "body", "--column", "content", "--set", "data.eval_fraction=0.25", "--set", "data.shard_bytes=8000"])
+        == 0
+    )
     report = json.loads(fs.cat(f"{out}/report.json"))
     assert report["documents_read"] == report["documents_kept"] + report["documents_rejected"] == 30
     cfg = make_cfg(f"data.source={out}/manifest.json", "train.steps=4", "train.global_batch=8", "checkpoint.every=2")

@@ -15,8 +15,18 @@ from app.config import OptimConfig
 from app.optim import make_scheduler
 
 OPTIM = {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "weight_decay": 0.1}
-SHAPES = {"wte": (64, 16), "h.0.attn.w": (16, 48), "h.0.attn.b": (48,), "h.0.ln.g": (16,), "h.0.mlp.w": (16, 64),
-          "h.1.attn.w": (16, 48), "h.1.mlp.w": (64, 16), "h.1.ln.g": (16,), "ln_f.g": (16,), "scale": ()}
+SHAPES = {
+    "wte": (64, 16),
+    "h.0.attn.w": (16, 48),
+    "h.0.attn.b": (48,),
+    "h.0.ln.g": (16,),
+    "h.0.mlp.w": (16, 64),
+    "h.1.attn.w": (16, 48),
+    "h.1.mlp.w": (64, 16),
+    "h.1.ln.g": (16,),
+    "ln_f.g": (16,),
+    "scale": (),
+}
 
 
 def init_params(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -30,8 +40,7 @@ def grads_like(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Te
 
 
 def shard(workers: int, window_s: float = 5.0, max_staleness: int = 2, **kw) -> ParamShard:
-    return ParamShard(init_params(), OPTIM, total_steps=6, workers=workers, window_s=window_s,
-                      max_staleness=max_staleness, **kw)
+    return ParamShard(init_params(), OPTIM, total_steps=6, workers=workers, window_s=window_s, max_staleness=max_staleness, **kw)
 
 
 async def step(ps: ParamShard, worker: int, seed: int, samples: int = 4, compute_s: float = 0.0) -> dict:
@@ -43,6 +52,7 @@ async def step(ps: ParamShard, worker: int, seed: int, samples: int = 4, compute
 
 def run_all(*coros, timeout_s: float = 10.0) -> list:
     """Run coroutines concurrently on a fresh loop; a hang fails the test instead of stalling it."""
+
     async def gathered():
         return await asyncio.wait_for(asyncio.gather(*coros), timeout_s)
 
@@ -64,9 +74,11 @@ def test_prompt_rounds_equal_adamw_on_sample_weighted_mean():
     ps = shard(workers=3, samples_per_step=12)  # a round holds 2 + 3 + 7 samples: one step of the schedule
     ref = {n: nn.Parameter(t.clone()) for n, t in init_params().items()}
     cfg = OptimConfig(**OPTIM)
-    ref_opt = torch.optim.AdamW([{"params": [ref["w"]], "weight_decay": cfg.weight_decay},
-                                 {"params": [ref["b"], ref["g"]], "weight_decay": 0.0}],
-                                lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    ref_opt = torch.optim.AdamW(
+        [{"params": [ref["w"]], "weight_decay": cfg.weight_decay}, {"params": [ref["b"], ref["g"]], "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+    )
     ref_sched = make_scheduler(ref_opt, cfg, total_steps=6)
 
     async def go():
@@ -215,11 +227,14 @@ def assert_states_equal(x: dict, y: dict) -> None:
             assert torch.equal(x["optim"][n][k], y["optim"][n][k]), (n, k)
 
 
-@pytest.mark.parametrize("grads, match", [
-    ({"w": torch.zeros(4, 3), "b": torch.zeros(3)}, "missing \\['g'\\]"),
-    ({"w": torch.zeros(4, 3), "b": torch.zeros(3), "g": torch.zeros(3), "x": torch.zeros(1)}, "unknown \\['x'\\]"),
-    ({"w": torch.zeros(3, 4), "b": torch.zeros(3), "g": torch.zeros(3)}, "parameter 'w': got shape \\(3, 4\\)"),
-])
+@pytest.mark.parametrize(
+    "grads, match",
+    [
+        ({"w": torch.zeros(4, 3), "b": torch.zeros(3)}, "missing \\['g'\\]"),
+        ({"w": torch.zeros(4, 3), "b": torch.zeros(3), "g": torch.zeros(3), "x": torch.zeros(1)}, "unknown \\['x'\\]"),
+        ({"w": torch.zeros(3, 4), "b": torch.zeros(3), "g": torch.zeros(3)}, "parameter 'w': got shape \\(3, 4\\)"),
+    ],
+)
 def test_mismatched_push_names_the_parameter(grads, match):
     with pytest.raises(ValueError, match=match):
         asyncio.run(shard(workers=1).push(0, 0, grads, 1))

@@ -15,15 +15,15 @@ from pathlib import Path
 import psutil
 import pytest
 import ray
+from conftest import free_port
 from runs import FAST, ROOT, records, run, start_driver, wait_for_step
 
 from actors.control import JobError
 from actors.coordinator import Coordinator
 from actors.worker import spawn
-from app import api, checkpoint, lease
+from app import checkpoint, lease
 from app.cli import main
 from app.job import new_run_dir, train
-from conftest import free_port
 from pipelines.embedded import ensure_corpus
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -95,8 +95,14 @@ def test_storage_refusing_a_checkpoint_commit_leaves_a_record_and_training_goes_
 
 def etrain(*args: str, env: dict, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
     started = time.time()
-    done = subprocess.run([sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main())", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main())", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return done, time.time() - started
 
 
@@ -141,8 +147,14 @@ def test_a_frozen_coordinator_fails_the_driver_after_the_join_timeout(make_cfg):
 def test_a_step_no_member_finished_is_never_committed(make_cfg):
     """Defect 6: with every member lost in one step, "all survivors finished" held over zero survivors and
     the step was written as committed (a train record without a loss, the cursor past it)."""
-    cfg = make_cfg(*FAST, "run.name=all-lost", "cluster.warm_pool=0", "train.steps=20", "checkpoint.every=0",
-                   "faults=[{rank: 0, step: 5, kind: kill}, {rank: 1, step: 5, kind: kill}]")
+    cfg = make_cfg(
+        *FAST,
+        "run.name=all-lost",
+        "cluster.warm_pool=0",
+        "train.steps=20",
+        "checkpoint.every=0",
+        "faults=[{rank: 0, step: 5, kind: kill}, {rank: 1, step: 5, kind: kill}]",
+    )
     run_dir = new_run_dir(cfg)
     with pytest.raises(JobError, match="no worker left"):
         train(cfg, run_dir, progress=False)
@@ -219,8 +231,7 @@ def test_a_model_too_big_is_refused_and_a_worker_that_cannot_start_says_why(make
     run_dir = new_run_dir(cfg)
     workers = spawn(cfg, manifest, 1)
     held = lease.acquire(str(run_dir / "checkpoints"), run_dir.name, cfg.timeouts.lease_s)
-    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=4).remote(
-        cfg.model_dump(), str(run_dir), manifest, time.time(), workers, held)
+    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=4).remote(cfg.model_dump(), str(run_dir), manifest, time.time(), workers, held)
     try:
         with pytest.raises(JobError, match="a worker could not start: .*allocate.*the model does not fit a worker's memory"):
             ray.get(coordinator.run.remote(False))

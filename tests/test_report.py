@@ -23,16 +23,34 @@ def _train(step: int, world: int, complete: bool = True) -> dict:
     record = {"kind": "train", "step": step, "world_size": world, "batch": 16, "samples": 16 * step, "time": T0 + step}
     if complete:  # a step committed by survivors of a lost worker has none of these
         step_time = 0.1 + 0.01 * (step % 3)
-        record |= {"loss": 5.0 - 0.1 * step, "lr": 1e-3, "grad_norm": 10.0 / step, "skipped": step == 7,
-                   "tokens_per_s": 16 * 128 / step_time, "step_time_s": step_time, "worker_s": step_time, "mfu": 0.3,
-                   "data_wait_s": 0.5 if step == 1 else 0.001, "compute_s": 0.07, "communication_s": 0.01,
-                   "other_s": step_time - 0.081, "checkpoint_stall_s": 0.0}
+        record |= {
+            "loss": 5.0 - 0.1 * step,
+            "lr": 1e-3,
+            "grad_norm": 10.0 / step,
+            "skipped": step == 7,
+            "tokens_per_s": 16 * 128 / step_time,
+            "step_time_s": step_time,
+            "worker_s": step_time,
+            "mfu": 0.3,
+            "data_wait_s": 0.5 if step == 1 else 0.001,
+            "compute_s": 0.07,
+            "communication_s": 0.01,
+            "other_s": step_time - 0.081,
+            "checkpoint_stall_s": 0.0,
+        }
     return record
 
 
 def _membership(reason: str, step: int, before: int, after: int) -> dict:
-    return {"kind": "membership", "reason": reason, "step": step, "world_before": before, "world_after": after,
-            "phases": {"detect": 0.01, "migrate": 0.02, "reform": 0.03, "first_step": 0.2}, "total_s": 0.26}
+    return {
+        "kind": "membership",
+        "reason": reason,
+        "step": step,
+        "world_before": before,
+        "world_after": after,
+        "phases": {"detect": 0.01, "migrate": 0.02, "reform": 0.03, "first_step": 0.2},
+        "total_s": 0.26,
+    }
 
 
 def _run(tmp_path: Path, name: str = "elastic-run") -> Path:
@@ -49,8 +67,18 @@ def _run(tmp_path: Path, name: str = "elastic-run") -> Path:
         if step in (15, 30):
             records.append({"kind": "eval", "step": step, "eval_loss": 4.0 - 0.05 * step, "time": T0 + step + 0.5})
         if step == 25:
-            records.append({"kind": "checkpoint", "level": "full", "step": 25, "path": "file:///x/step-00000025",
-                            "bytes": 1000, "stall_s": 0.01, "save_s": 0.1, "time": T0 + 25.6})
+            records.append(
+                {
+                    "kind": "checkpoint",
+                    "level": "full",
+                    "step": 25,
+                    "path": "file:///x/step-00000025",
+                    "bytes": 1000,
+                    "stall_s": 0.01,
+                    "save_s": 0.1,
+                    "time": T0 + 25.6,
+                }
+            )
     records.insert(10, {"kind": "autoscale", "step": 10, "world": 2, "wanted": 3, "time": T0 + 10.1})
     records.append({"kind": "outlier", "step": 12, "grad_norm": 40.0, "limit": 20.0, "time": T0 + 12.5})
     run = tmp_path / name
@@ -85,9 +113,15 @@ def test_report_to_another_directory_after_a_resume(tmp_path):
     """A resume rewinds the step: a change at the resumed step is placed at the resume, not at the older run's step."""
     run = tmp_path / "resumed"
     run.mkdir()
-    records = [_train(1, 2), _train(2, 2), _train(3, 2),
-               {"kind": "resume", "step": 2, "time": T0 + 50}, _train(3, 2) | {"time": T0 + 51},
-               _membership("recover", 2, 2, 1), _train(4, 1) | {"time": T0 + 52}]
+    records = [
+        _train(1, 2),
+        _train(2, 2),
+        _train(3, 2),
+        {"kind": "resume", "step": 2, "time": T0 + 50},
+        _train(3, 2) | {"time": T0 + 51},
+        _membership("recover", 2, 2, 1),
+        _train(4, 1) | {"time": T0 + 52},
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     report = write_report(run, tmp_path / "out")
     assert report["html"] == tmp_path / "out" / "report.html" and not (run / "report").exists()
@@ -110,6 +144,8 @@ def test_report_errors_name_the_path(tmp_path, case):
 def test_report_leaves_matplotlib_to_whoever_makes_one(tmp_path):
     """The coordinator imports app.report for summarize: no matplotlib there, and no pyplot (no backend switch) at all."""
     run = _run(tmp_path)
-    code = ("import sys; from app.report import write_report; assert 'matplotlib' not in sys.modules; "
-            f"write_report({str(run)!r}); assert 'matplotlib.pyplot' not in sys.modules")
+    code = (
+        "import sys; from app.report import write_report; assert 'matplotlib' not in sys.modules; "
+        f"write_report({str(run)!r}); assert 'matplotlib.pyplot' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)

@@ -120,8 +120,18 @@ def test_exact_resume_with_checkpoints_on_s3(make_cfg, s3_bucket):
 def test_cli_trains_then_resumes_for_longer(make_cfg, tmp_path, capsys):
     from app.cli import main
 
-    base = ["--set", f"data.cache_dir={make_cfg().data.cache_dir}", "--set", "data.corpus_bytes=1500000",
-            "--set", "data.shard_bytes=200000", "--set", f"run.root={tmp_path}", "--set", "run.name=cli"]
+    base = [
+        "--set",
+        f"data.cache_dir={make_cfg().data.cache_dir}",
+        "--set",
+        "data.corpus_bytes=1500000",
+        "--set",
+        "data.shard_bytes=200000",
+        "--set",
+        f"run.root={tmp_path}",
+        "--set",
+        "run.name=cli",
+    ]
     assert main(["train", "-c", "tiny", *base, "--set", "train.steps=4", "--no-progress"]) == 0
     out = capsys.readouterr()
     assert '"steps": 4' in out.out and str(tmp_path / "cli" / "summary.json") in out.err

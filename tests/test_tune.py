@@ -22,17 +22,20 @@ from tune.space import load_space
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("text, says", [
-    ("optim.lrr: {uniform: [0.1, 0.2]}", "'optim.lrr'"),
-    ("optim.lr: {uniform: [0.2, 0.1]}", "low < high"),
-    ("optim.lr: {loguniform: [0.0, 0.1]}", "low > 0"),
-    ("optim.lr: {normal: [0.0, 0.1]}", "exactly one of"),
-    ("model.n_layer: {int: [1.5, 3]}", "whole-number"),
-    ("model.n_head: {choice: [4, 3]}", "'model.n_head' = 3"),
-    ("train.steps: {int: [10, 100]}", "budget"),
-    ("optim.lr: {choice: []}", "non-empty"),
-    ("- optim.lr", "mapping"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("optim.lrr: {uniform: [0.1, 0.2]}", "'optim.lrr'"),
+        ("optim.lr: {uniform: [0.2, 0.1]}", "low < high"),
+        ("optim.lr: {loguniform: [0.0, 0.1]}", "low > 0"),
+        ("optim.lr: {normal: [0.0, 0.1]}", "exactly one of"),
+        ("model.n_layer: {int: [1.5, 3]}", "whole-number"),
+        ("model.n_head: {choice: [4, 3]}", "'model.n_head' = 3"),
+        ("train.steps: {int: [10, 100]}", "budget"),
+        ("optim.lr: {choice: []}", "non-empty"),
+        ("- optim.lr", "mapping"),
+    ],
+)
 def test_a_bad_space_names_the_parameter(tmp_path, text, says):
     space = tmp_path / "space.yaml"
     space.write_text(text)
@@ -71,10 +74,33 @@ def test_search_survives_a_failing_trial_and_resumes_after_a_kill(data_dir, tmp_
     space = tmp_path / "space.yaml"
     space.write_text("optim.lr: {loguniform: [1.0e-3, 1.0e-2]}\ndata.source: {choice: [embedded, /nonexistent/manifest.json]}\n")
     out = tmp_path / "search"
-    sets = [f"data.cache_dir={data_dir}", "data.corpus_bytes=1500000", "data.shard_bytes=200000", "train.steps=12",
-            "train.eval_every=4", "checkpoint.every=4", "cluster.num_workers=1", "cluster.warm_pool=0"]
-    args = ["tune", "--config", "tiny", *(a for s in sets for a in ("--set", s)), "--space", str(space),
-            "--trials", "3", "--concurrency", "2", "--seed", "3", "--out", str(out), "--no-progress"]
+    sets = [
+        f"data.cache_dir={data_dir}",
+        "data.corpus_bytes=1500000",
+        "data.shard_bytes=200000",
+        "train.steps=12",
+        "train.eval_every=4",
+        "checkpoint.every=4",
+        "cluster.num_workers=1",
+        "cluster.warm_pool=0",
+    ]
+    args = [
+        "tune",
+        "--config",
+        "tiny",
+        *(a for s in sets for a in ("--set", s)),
+        "--space",
+        str(space),
+        "--trials",
+        "3",
+        "--concurrency",
+        "2",
+        "--seed",
+        "3",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     code = "import sys; from app.cli import main; sys.exit(main())"
     driver = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

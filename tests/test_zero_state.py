@@ -44,8 +44,10 @@ def set_grads(model: nn.Module, step: int) -> None:
 def make_zero(model: nn.Module) -> ZeroRedundancyOptimizer:
     """As actors/worker.py builds it."""
     return ZeroRedundancyOptimizer(
-        make_param_groups(model, CFG.optim), optimizer_class=torch.optim.AdamW,
-        lr=CFG.optim.lr, betas=(CFG.optim.beta1, CFG.optim.beta2),
+        make_param_groups(model, CFG.optim),
+        optimizer_class=torch.optim.AdamW,
+        lr=CFG.optim.lr,
+        betas=(CFG.optim.beta1, CFG.optim.beta2),
     )
 
 
@@ -55,8 +57,7 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def rank_main(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks on two cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
     model = make_model()
     opt = make_zero(model)
     scheduler = make_scheduler(opt, CFG.optim, CFG.train.steps)  # lr in the param groups changes each step

@@ -31,8 +31,19 @@ from app.metrics import read_jsonl
 METRIC = "eval_loss"
 
 
-def run_search(base: Config, space: dict, trials: int, out: Path, concurrency: int = 1, seed: int = 0, sampler: str = "tpe",
-               pruning: bool = True, resume: bool = False, max_failures: int = 1, progress: bool = True) -> list[dict]:
+def run_search(
+    base: Config,
+    space: dict,
+    trials: int,
+    out: Path,
+    concurrency: int = 1,
+    seed: int = 0,
+    sampler: str = "tpe",
+    pruning: bool = True,
+    resume: bool = False,
+    max_failures: int = 1,
+    progress: bool = True,
+) -> list[dict]:
     """Run (or resume) a search; the trials' rows, best first. Writes OUT/trials.json and OUT/best.yaml."""
     out = Path(out).expanduser().resolve()  # Tune runs each trial in its own working directory
     study = out / "study"
@@ -50,10 +61,17 @@ def run_search(base: Config, space: dict, trials: int, out: Path, concurrency: i
     if resume:
         tuner = tune.Tuner.restore(str(study), trainable, resume_unfinished=True, resume_errored=False, restart_errored=False)
     else:
-        tuner = tune.Tuner(trainable, tune_config=_tune_config(base, space, trials, concurrency, seed, sampler, pruning),
-                           run_config=tune.RunConfig(name="study", storage_path=str(out), verbose=0,
-                                                     callbacks=[Progress(trials, base.train.steps, progress)],
-                                                     failure_config=tune.FailureConfig(max_failures=max_failures)))
+        tuner = tune.Tuner(
+            trainable,
+            tune_config=_tune_config(base, space, trials, concurrency, seed, sampler, pruning),
+            run_config=tune.RunConfig(
+                name="study",
+                storage_path=str(out),
+                verbose=0,
+                callbacks=[Progress(trials, base.train.steps, progress)],
+                failure_config=tune.FailureConfig(max_failures=max_failures),
+            ),
+        )
     grid = tuner.fit()
     rows = table(grid, list(space), base.train.steps, out / "trials")
     (out / "trials.json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -70,20 +88,23 @@ def check_trusted(out: Path) -> None:
         st = path.stat()
         if st.st_uid != os.getuid() or st.st_mode & 0o002:
             who = f"owned by uid {st.st_uid}" if st.st_uid != os.getuid() else "writable by anyone"
-            raise ConfigError(f"{path} is {who}: resuming a search unpickles its study, which runs code from these files; "
-                              f"resume only a search directory that you wrote and others cannot write (chmod o-w), or start a new one")
+            raise ConfigError(
+                f"{path} is {who}: resuming a search unpickles its study, which runs code from these files; "
+                f"resume only a search directory that you wrote and others cannot write (chmod o-w), or start a new one"
+            )
 
 
 def _tune_config(base: Config, space: dict, trials: int, concurrency: int, seed: int, sampler: str, pruning: bool) -> tune.TuneConfig:
-    samplers = {"tpe": lambda: optuna.samplers.TPESampler(multivariate=True, seed=seed),
-                "random": lambda: optuna.samplers.RandomSampler(seed=seed)}
+    samplers = {"tpe": lambda: optuna.samplers.TPESampler(multivariate=True, seed=seed), "random": lambda: optuna.samplers.RandomSampler(seed=seed)}
     # OptunaSearch needs metric and mode itself when given a space: without them it maximises.
     search = OptunaSearch(space, metric=METRIC, mode="min", sampler=samplers[sampler]())
     steps, every = base.train.steps, base.train.eval_every
-    scheduler = (ASHAScheduler(time_attr="step", max_t=steps, grace_period=min(steps, every * 2), reduction_factor=3, stop_last_trials=False)
-                 if pruning else FIFOScheduler())
-    return tune.TuneConfig(metric=METRIC, mode="min", search_alg=search, scheduler=scheduler, num_samples=trials,
-                           max_concurrent_trials=concurrency)
+    scheduler = (
+        ASHAScheduler(time_attr="step", max_t=steps, grace_period=min(steps, every * 2), reduction_factor=3, stop_last_trials=False)
+        if pruning
+        else FIFOScheduler()
+    )
+    return tune.TuneConfig(metric=METRIC, mode="min", search_alg=search, scheduler=scheduler, num_samples=trials, max_concurrent_trials=concurrency)
 
 
 def _resources(base: Config) -> tune.PlacementGroupFactory:
@@ -133,9 +154,17 @@ def table(grid, keys: list[str], steps: int, runs: Path) -> list[dict]:
             config = json.loads((runs / str(trial) / "params.json").read_text())
         params = {k: config.get(k) for k in keys}
         number = _name_part(result.path, 3)
-        rows.append({"trial": trial, "number": int(number) if number and number.isdigit() else None, "params": params,
-                     METRIC: metrics.get(METRIC), "steps": reached, "status": status,
-                     "error": why(result.error) if result.error else None})
+        rows.append(
+            {
+                "trial": trial,
+                "number": int(number) if number and number.isdigit() else None,
+                "params": params,
+                METRIC: metrics.get(METRIC),
+                "steps": reached,
+                "status": status,
+                "error": why(result.error) if result.error else None,
+            }
+        )
     order = {"completed": 0, "pruned": 1, "failed": 2}
     return sorted(rows, key=lambda r: (order[r["status"]], r[METRIC] if r[METRIC] is not None else float("inf")))
 
