@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean-venv
+.PHONY: demo test bench cluster-up cluster-down clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ test: $(STAMP)  ## lint and format check (ruff), then the whole test suite on on
 
 bench: $(STAMP)  ## throughput vs plain torch and Ray Train, written to bench/results/
 	$(PY) bench/throughput.py
+
+cluster-up: $(STAMP)  ## a local Ray head: token auth, the fake multi-node autoscaler; prints the exports its clients need
+	$(VENV)/bin/etrain cluster up
+
+cluster-down: $(STAMP)  ## stop it: its processes only, never `ray stop`
+	$(VENV)/bin/etrain cluster down
 
 clean-venv:
 	rm -rf $(VENV)

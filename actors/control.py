@@ -10,8 +10,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from app.errors import Failure
 
-class JobError(RuntimeError):
+
+class JobError(Failure):
     """Training cannot go on; the message says why and what to do."""
 
 
@@ -65,12 +67,24 @@ def next_state(state: State, obs: Observation) -> State:
     return State.RUNNING
 
 
-def autoscale(world: int, free_slots: int, ready: int, max_workers: int) -> int:
-    """The autoscaling policy's world size: grow onto free worker slots, one ready (warm) pool
-    worker per slot, up to max_workers. It never shrinks a job: scale-in is asked for
-    (`etrain scale`) or forced (a preemption notice drains a node).
+def autoscale(world: int, free_slots: int, ready: int, max_workers: int, warm_pool: int) -> int:
+    """The autoscaling policy's world size: grow by ready (warm) pool workers, up to max_workers. It never
+    shrinks a job: scale-in is asked for (`etrain scale`) or forced (a preemption notice drains a node).
 
-    A free slot is room for a worker beyond the warm pool, so the pool stays whole
-    as a reserve for failures; a joiner must be ready, so growing costs seconds.
+    The first `warm_pool` ready workers are the reserve for failures: one of them joins only where a free
+    slot (room for a worker beyond the pool) lets the pool refill at once. Ready workers beyond the
+    reserve (started for room the job can grow into) join as they are. A joiner is always warm, so
+    growing costs seconds.
     """
-    return max(world, min(max_workers, world + min(free_slots, ready)))
+    reserve = min(ready, warm_pool)
+    joinable = (ready - reserve) + min(free_slots, reserve)
+    return max(world, min(max_workers, world + joinable))
+
+
+def pool_size(world: int, wanted: int, free_slots: int, idle: int, warm_pool: int, max_workers: int | None) -> int:
+    """Workers the warm pool should hold: its reserve, the workers wanted beyond the group (asked for by
+    hand), and, when autoscaling, one for every free slot the job can still grow into (those already
+    held beyond the reserve count: their slots are no longer free)."""
+    if max_workers is None:
+        return warm_pool + max(0, wanted - world)
+    return warm_pool + min(max(0, max_workers - world), max(0, idle - warm_pool) + free_slots)

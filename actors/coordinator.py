@@ -29,16 +29,17 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.balance import Balancer
-from actors.control import JobError, Observation, State, autoscale, next_state, why
+from actors.control import JobError, Observation, State, autoscale, next_state, pool_size, why
 from actors.guards import NormWatch
 from actors.pool import WarmPool
 from actors.ps_mode import PSTraining
 from actors.saving import Saver
 from app.checkpoint import checkpoint_uri
 from app.config import Config
-from app.dashboard import Dashboard, flops_per_token
+from app.dashboard import Dashboard
+from app.flops import flops_per_token, mfu
 from app.lease import Keeper, Lease
-from app.metrics import append_jsonl, truncate_after, write_json
+from app.metrics import append_jsonl, eta_s, truncate_after, write_json
 from app.report import summarize
 from pipelines import order
 from pipelines.cache import ShardCache
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 PING_S = 2.0  # a live worker answers `info` at once; one that does not is hung or gone
 WATCH_S = 1.0  # how often the cluster is looked at: preemption notices, free room for autoscaling
+STATUS_S = 1.0  # how often status.json is rewritten while records come
 
 
 class StepFailed(Exception):
@@ -81,7 +83,7 @@ class Coordinator:
         self.eval_ids = order.take(order.Layout(0, (num_eval,), 1), 0, min(self.cfg.train.eval_samples, num_eval))
         self.manifest = manifest
         self.caches: dict[str, object] = {}  # node id -> ShardCache actor
-        self._fetched = {"fetched_bytes": 0, "fetched_shards": 0}
+        self._fetched: dict[str, dict] = {}  # node -> its cache's last stats (what it had fetched)
         self.pool = WarmPool(self.cfg, manifest, self._retire)
         self.step = self.cursor = self.saved_step = 0
         self.generation = 0
@@ -110,9 +112,12 @@ class Coordinator:
         self.dashboard = Dashboard(self.run_dir.name)
         self.peaks: dict = {}  # worker -> its measured matmul FLOP/s (MFU's denominator)
         self.flops_per_token = 0.0
+        self._mfu_warned = False  # MFU above 1 is said once
         self._stall = 0.0  # the checkpoint stall since the last step
         self.latest: dict[str, dict] = {}  # the last record of each kind (status shows them)
         self._commits: deque = deque(maxlen=20)  # recent step commit times: the ETA
+        self._status_due = 0.0  # when status.json is written next
+        self.failure: str | None = None  # why the job failed, once it has
         self.keeper = Keeper(lease)  # the run's lease, renewed where its records are written: a frozen driver keeps it
 
     # -- driver- and user-facing ----------------------------------------------
@@ -140,10 +145,11 @@ class Coordinator:
             if state == State.FAILED:
                 raise JobError(f"lost workers more than cluster.max_recoveries={self.recoveries} times; resume with `etrain train --resume {self.run_dir}`")
             return self._summary()
-        except Exception:
-            self.phase = State.FAILED
+        except Exception as e:
+            self.phase, self.failure = State.FAILED, str(e) if isinstance(e, JobError) else why(e)
             raise
         finally:
+            self._write_status()
             self._stop()
 
     def _train_ps(self, resume: bool) -> None:
@@ -171,14 +177,17 @@ class Coordinator:
 
     def status(self) -> dict:
         """Where the run stands (the Python API and `etrain scale` show this)."""
-        members = [{"rank": r, "node": self.nodes.get(w), "pid": self.pids.get(w), "speed": self.balancer.speeds.get(w)} for r, w in enumerate(self.workers)]
+        members = [
+            {"rank": r, "node": self.nodes[w], "pid": self.pids[w], "speed": self.balancer.speeds.get(w)} for r, w in enumerate(self.workers) if w in self.pids
+        ]
         with self._lock:
             train, evaluated, saved = (self.latest.get(k, {}) for k in ("train", "eval", "checkpoint"))
-            eta = _eta(list(self._commits), self.cfg.train.steps - self.step)
+            eta = eta_s(list(self._commits), self.cfg.train.steps - self.step)
         return {
             "run": self.run_dir.name,
             "run_dir": str(self.run_dir),
             "phase": self.phase.value,
+            "failure": self.failure,
             "step": self.step,
             "total_steps": self.cfg.train.steps,
             "eta_s": eta,
@@ -236,18 +245,27 @@ class Coordinator:
         return self.wanted if self.wanted <= world else world + min(self.wanted - world, self.pool.ready())
 
     def _watch_cluster(self) -> None:
-        """Preemption notices (nodes being drained) and, when autoscaling, room for more workers."""
+        """Preemption notices (nodes being drained), new nodes (their shard cache starts at once, beside the
+        workers starting there) and, when autoscaling, room for more workers: once a second, and the room
+        also at every step boundary where a ready pool worker could join."""
+        if self.autoscaling and self.pool.ready() and len(self.workers) < self.cfg.cluster.max_workers:
+            self._autoscale()
         if time.monotonic() < self._next_watch:
             return
         self._next_watch = time.monotonic() + WATCH_S
         self.draining = draining_nodes()
         self.pool.drop([w for w in self.pool.idle if self.nodes.get(w) in self.draining])
-        self._refill()
+        self._start_caches(worker_nodes(self.cfg.cluster) - self.draining)
+        if self._pending_event is None:  # not while a change waits for its first step: a starting worker would slow it
+            self._refill()
         if self.autoscaling:
-            before, world = self.wanted, len(self.workers)
-            self.wanted = autoscale(world, self._free_slots(), self.pool.ready(), self.cfg.cluster.max_workers)
-            if self.wanted != before:
-                self._record({"kind": "autoscale", "step": self.step, "world": world, "wanted": self.wanted, "time": time.time()})
+            self._autoscale()
+
+    def _autoscale(self) -> None:
+        before, world = self.wanted, len(self.workers)
+        self.wanted = autoscale(world, self._free_slots(), self.pool.ready(), self.cfg.cluster.max_workers, self.cfg.cluster.warm_pool)
+        if self.wanted != before:
+            self._record({"kind": "autoscale", "step": self.step, "world": world, "wanted": self.wanted, "time": time.time()})
 
     def _free_slots(self) -> int:
         """Workers the cluster has room for now, beyond the pool (its workers still starting count as placed)."""
@@ -259,9 +277,14 @@ class Coordinator:
         return max(0, slots - len(self.pool.warming))
 
     def _refill(self) -> None:
-        """Pool back to its size plus the workers wanted but not yet in; the autoscaler asked for room."""
-        self.pool.refill(extra=max(0, self.wanted - len(self.workers)))
+        """Pool back to its size; the autoscaler asked for room."""
+        self.pool.refill(self._pool_size())
         self.pool.reserve(self.cfg.cluster.max_workers if self.autoscaling else max(self.wanted, len(self.workers)))
+
+    def _pool_size(self) -> int:
+        max_workers = self.cfg.cluster.max_workers if self.autoscaling else None
+        free = self._free_slots() if self.autoscaling else 0
+        return pool_size(len(self.workers), self.wanted, free, len(self.pool.idle), self.cfg.cluster.warm_pool, max_workers)
 
     def _run_step(self) -> None:
         try:
@@ -388,8 +411,19 @@ class Coordinator:
         self.saver.stepped({"step": self.step, "cursor": self.cursor, "batch": batch, "time": record["time"]})
         self._close_event(stepped=True)
 
-    def mfu(self, tokens_per_s: float) -> float:
-        return self.flops_per_token * tokens_per_s / sum(self.peaks[w] for w in self.workers)
+    def mfu(self, tokens_per_s: float) -> float | None:
+        value = mfu(self.flops_per_token, tokens_per_s, [self.peaks[w] for w in self.workers])
+        if value is None and None not in self.peaks.values() and not self._mfu_warned:
+            self._mfu_warned = True
+            self._record(
+                {
+                    "kind": "warning",
+                    "step": self.step + 1,
+                    "time": time.time(),
+                    "text": "MFU above 100%: the device peak (app/flops.py) is wrong for this device; MFU is left out of the records",
+                }
+            )
+        return value
 
     def _step_parts(self, results: list[dict], elapsed: float, data_wait: float) -> dict:
         """The step's wall time by part, as the slowest worker spent it (the others waited for it);
@@ -491,7 +525,7 @@ class Coordinator:
             self._gather_form([w.leave.remote() for w in leaving], "group exit", leaving)
         except MembersLost as gone:  # a leaver that died is simply not given back
             leaving = [w for w in leaving if w not in gone.lost]
-        self.pool.give_back(leaving, keep=self.cfg.cluster.warm_pool + max(0, target - len(keep)))
+        self.pool.give_back(leaving, keep=max(self._pool_size(), self.cfg.cluster.warm_pool + target - len(keep)))
         reason = "preemption" if evicted else "scale-in" if target < len(self.workers) else "scale-out"
         self._change(keep, target - len(keep), reason=reason, started=started, lost=len(evicted), whole=whole)
 
@@ -609,13 +643,18 @@ class Coordinator:
         except ray.exceptions.RayTaskError as e:
             raise MembersLost(self._find_lost(what, getattr(e, "cause", e), members)) from None
 
-    def _attach_caches(self, workers: list, nodes: list[str], cursor: int | None = None, wait: bool = True) -> list:
-        """One ShardCache per node that runs workers; each worker reads through its node's."""
+    def _start_caches(self, nodes: set[str]) -> None:
+        """A ShardCache on each of `nodes` that has none, fetching the shard the run reads next."""
         data = self.cfg.data
-        for node in set(nodes) - set(self.caches):
+        for node in nodes - set(self.caches):
             here = NodeAffinitySchedulingStrategy(node, soft=False)
             actor = ray.remote(ShardCache).options(num_cpus=0, max_concurrency=32, scheduling_strategy=here)
             self.caches[node] = actor.remote(self.manifest, self.layout, data.cache_shards, data.node_cache_dir)
+            self.caches[node].warm.remote(self.cursor)
+
+    def _attach_caches(self, workers: list, nodes: list[str], cursor: int | None = None, wait: bool = True) -> list:
+        """One ShardCache per node that runs workers; each worker reads through its node's."""
+        self._start_caches(set(nodes))
         attached = [w.attach_cache.remote(self.caches[n], self.layout, cursor) for w, n in zip(workers, nodes)]
         if wait:
             self._gather(attached, "cache attach")
@@ -692,12 +731,20 @@ class Coordinator:
 
     def _data_metrics(self, per_worker: list[dict]) -> dict:
         """This step's data cost: slowest worker's wait, cache hits/misses, bytes fetched by the node caches."""
-        totals = {"fetched_bytes": 0, "fetched_shards": 0}
-        for stats in self._gather([c.stats.remote() for c in self.caches.values()], "cache stats"):
-            for key in totals:
-                totals[key] += stats[key]
-        delta = {key: totals[key] - self._fetched[key] for key in totals}
-        self._fetched = totals
+        refs = {node: cache.stats.remote() for node, cache in self.caches.items()}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=PING_S)
+        delta = {"fetched_bytes": 0, "fetched_shards": 0}
+        for node, ref in refs.items():
+            try:
+                stats = ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:  # its node is gone: so are its workers
+                del self.caches[node]
+                continue
+            except ray.exceptions.GetTimeoutError:  # busy: counted at a later step
+                continue
+            for key in delta:
+                delta[key] += stats[key] - self._fetched.get(node, {}).get(key, 0)
+            self._fetched[node] = stats
         return {
             "data_wait_s": max(d["wait_s"] for d in per_worker),
             "cache_hits": sum(d["hits"] for d in per_worker),
@@ -754,6 +801,15 @@ class Coordinator:
             self.latest[record["kind"]] = record
             if record["kind"] == "train":
                 self._commits.append(time.monotonic())
+        if time.monotonic() >= self._status_due:
+            self._write_status()
+
+    def _write_status(self) -> None:
+        """status.json, what `etrain status RUN` reads without Ray (and after the job has ended); at most once a second."""
+        if self.keeper.lost:  # the run's new owner writes it
+            return
+        write_json(self.run_dir / "status.json", {**self.status(), "updated": time.time()})
+        self._status_due = time.monotonic() + STATUS_S
 
     def _summary(self) -> dict:
         summary = summarize(self.run_dir / "metrics.jsonl", self.cfg, self.started_at, self.first_step_at)
@@ -772,11 +828,10 @@ def _could_not_start(error: ray.exceptions.RayActorError) -> str:
     return f"a worker could not start: {said}; fix the cause, then start the job again"
 
 
-def _eta(commits: list[float], steps_left: int) -> float | None:
-    """Seconds to the last step at the pace of the recent steps (None before two have committed)."""
-    if len(commits) < 2:
-        return None
-    return steps_left * (commits[-1] - commits[0]) / (len(commits) - 1)
+def worker_nodes(c) -> set[str]:
+    """Alive nodes big enough for one worker of `c` (cluster config): where pool workers can start."""
+    fits = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) >= c.cpus_per_worker]
+    return {n["NodeID"] for n in fits if not c.gpus_per_worker or n["Resources"].get("GPU", 0) >= c.gpus_per_worker}
 
 
 def draining_nodes() -> set[str]:

@@ -25,10 +25,10 @@ class WarmPool:
         self.preparing: dict = {}  # worker -> its cache attach (the coordinator's), done = ready to join
         self._reserved: int | None = None
 
-    def refill(self, extra: int = 0) -> None:
-        """Top up to `cluster.warm_pool` plus `extra` (workers wanted but not in the group yet),
-        without waiting for the new actors to start."""
-        missing = self.cfg.cluster.warm_pool + extra - len(self.idle)
+    def refill(self, size: int) -> None:
+        """Top up to `size` workers (control.pool_size) without waiting for the new actors to start.
+        A pool above it is not trimmed here: workers leave it by joining, or when a change gives some back."""
+        missing = size - len(self.idle)
         if missing > 0:
             from actors.worker import (
                 spawn,  # torch, lazily: the driver imports this module and loads torch in a thread while Ray starts

@@ -21,7 +21,6 @@ import numpy as np
 import ray
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from actors import zero_state
@@ -35,7 +34,7 @@ from app.checkpoint import (
     write_part,
 )
 from app.config import Config
-from app.dashboard import matmul_peak
+from app.flops import peak_flops
 from app.model import GPT
 from app.optim import make_optimizer, make_param_groups, make_scheduler
 from pipelines.order import Layout, take
@@ -53,9 +52,13 @@ class TrainWorker:
         self.cfg = cfg = Config.model_validate(cfg_dict)
         torch.set_num_threads(cfg.cluster.cpus_per_worker)
         self.device = torch.device("cuda" if cfg.cluster.gpus_per_worker > 0 else "cpu")
+        if cfg.train.deterministic:  # cuBLAS needs its workspace fixed before CUDA starts
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.train.seed)  # same initial weights on every worker
         self.model = GPT(cfg.model).to(self.device)
         self.optimizer = make_optimizer(self.model, cfg.optim)
+        self.sharded = False  # the optimizer is ZeRO-1's, holding this rank's shard of the state
         self.scheduler = make_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
         self.manifest = manifest
@@ -70,8 +73,7 @@ class TrainWorker:
         self.applied = 0  # optimizer steps in this worker's state: which step it can resume from
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")  # one save at a time, off the step's path
         self._saving: Future | None = None
-        matmul_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
-        self.peak_flops = matmul_peak(self.device, matmul_dtype)  # what MFU is measured against
+        self.peak_flops = peak_flops(self.device, cfg.train.precision)  # what MFU is measured against (None on CPU)
 
     def info(self) -> dict:
         node = ray.get_runtime_context().get_node_id()
@@ -131,6 +133,8 @@ class TrainWorker:
     def _shard_optimizer(self) -> None:
         """ZeRO-1 over the current group: keep only this rank's shard of the optimizer state.
         The full state (from a checkpoint, a peer, or this worker) is re-partitioned on every join."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # ~1 s to import (it brings FSDP, DTensor): comm.zero only
+
         full = self.optimizer.state_dict()
         sharded = ZeroRedundancyOptimizer(
             make_param_groups(self.model, self.cfg.optim),
@@ -139,7 +143,7 @@ class TrainWorker:
             betas=(self.cfg.optim.beta1, self.cfg.optim.beta2),
         )
         sharded.load_state_dict(full)
-        self._set_optimizer(sharded)
+        self._set_optimizer(sharded, sharded=True)
 
     def _unshard_optimizer(self, full: dict) -> None:
         """Back to a whole optimizer holding `full` (a consolidated state): needs no process group."""
@@ -147,9 +151,9 @@ class TrainWorker:
         plain.load_state_dict(full)
         self._set_optimizer(plain)
 
-    def _set_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def _set_optimizer(self, optimizer: torch.optim.Optimizer, sharded: bool = False) -> None:
         schedule = self.scheduler.state_dict()
-        self.optimizer = optimizer
+        self.optimizer, self.sharded = optimizer, sharded
         self.scheduler = make_scheduler(optimizer, self.cfg.optim, self.cfg.train.steps)
         self.scheduler.load_state_dict(schedule)
 
@@ -163,7 +167,7 @@ class TrainWorker:
 
     def optimizer_bytes(self) -> int:
         """Optimizer state this worker holds (ZeRO-1 keeps 1/world of it)."""
-        local = self.optimizer.optim if isinstance(self.optimizer, ZeroRedundancyOptimizer) else self.optimizer
+        local = self.optimizer.optim if self.sharded else self.optimizer
         return sum(t.numel() * t.element_size() for st in local.state.values() for t in st.values() if torch.is_tensor(t))
 
     def train_step(
@@ -371,7 +375,7 @@ class TrainWorker:
 
         With ZeRO-1 every member must call this together (the shards are gathered to rank 0);
         only rank 0 returns the state, the others None."""
-        sharded = isinstance(self.optimizer, ZeroRedundancyOptimizer)
+        sharded = self.sharded
         if sharded:
             self.optimizer.consolidate_state_dict(to=0)
             if self.rank != 0:
@@ -401,7 +405,7 @@ class TrainWorker:
         parts: dict = {}
         weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()} if lead else None
         if level == "full":
-            if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            if self.sharded:
                 parts[f"optim-{max(self.rank, 0):03d}.pt"] = zero_state.local_part(self.optimizer)
                 if lead:
                     parts["optim-groups.pt"] = zero_state.param_groups(self.optimizer)
@@ -462,7 +466,7 @@ class TrainWorker:
     def leave(self) -> None:
         """Leave the group. A ZeRO-1 shard is useless without its group: the optimizer state is
         then incomplete until `load_state` gives a whole one, and this worker no state source."""
-        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+        if self.sharded:
             self._set_optimizer(make_optimizer(self.model, self.cfg.optim))
             self.applied = -1
         if self.sync:  # top-k's unsent gradient is in this group's units (world size, split): start afresh

@@ -14,10 +14,12 @@ from it; its `optim` is the local optimizer over this rank's parameters (both pu
 from __future__ import annotations
 
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
 def _global_index(opt: ZeroRedundancyOptimizer) -> dict[torch.Tensor, int]:

@@ -1,4 +1,8 @@
-"""`etrain`: the command line. Usage errors exit 2 with a message that says what to fix."""
+"""`etrain`: the command line. Every failure ends in one line: exit 2 for usage errors, 1 for failed work.
+
+Commands import what they use when they run, so `--help`, `config` and `status RUN` answer without
+loading Ray or torch.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +16,7 @@ import time
 import traceback
 from pathlib import Path
 
-from actors.control import JobError, why
-from app.config import RESUMABLE, Config, ConfigError, load_config
-from app.job import durable, new_run_dir, train
-from app.storage import StorageError
-from pipelines.shards import ShardError
+from app.errors import Failure, UsageError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,19 +28,18 @@ def main(argv: list[str] | None = None) -> int:
     ours = not _ray_up()  # a Ray this command connects to is shut down by it (the caller's, as in tests, is not)
     try:
         return args.func(args, started_at)
-    except (ConfigError, ShardError) as e:
+    except UsageError as e:
         print(f"etrain: error: {e}", file=sys.stderr)
         return 2
-    except JobError as e:
-        print(f"etrain: training failed: {getattr(e, 'cause', e)}", file=sys.stderr)  # raised in an actor: not Ray's traceback
-        return 1
-    except StorageError as e:
-        print(f"etrain: error: {e}", file=sys.stderr)
+    except Failure as e:  # raised in an actor: its own message, not Ray's traceback
+        print(f"etrain: {'training failed' if args.func is cmd_train else 'error'}: {getattr(e, 'cause', e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"etrain: interrupted{getattr(args, 'resume_hint', '')}", file=sys.stderr)
         return 130
     except Exception as e:  # a failure nobody named: its one line here, the details in the log
+        from actors.control import why
+
         path = _log_traceback(e, getattr(args, "log_file", None))
         print(f"etrain: error: {why(e)}\n(details: {path})", file=sys.stderr)
         return 1
@@ -63,6 +62,9 @@ def _log_traceback(error: BaseException, path: Path | None) -> Path:
 
 
 def cmd_train(args, started_at: float) -> int:
+    from app.config import ConfigError, load_config
+    from app.job import durable, new_run_dir, train
+
     if args.resume and args.config:
         raise ConfigError("--resume takes the run's own config.yaml; drop --config (use --set for resumable keys)")
     if args.resume:
@@ -75,7 +77,7 @@ def cmd_train(args, started_at: float) -> int:
     args.resume_hint = f"; resume with `etrain train --resume {run_dir}`"
     print(f"run directory: {run_dir}", file=sys.stderr)
     with _logging_to(args.log_file):
-        summary = train(cfg, run_dir, resume=bool(args.resume), started_at=started_at, progress=not args.no_progress)
+        summary = train(cfg, run_dir, resume=bool(args.resume), started_at=started_at, progress=not args.no_progress, log_every=args.log_every)
     print(json.dumps(summary, indent=1))
     print(f"metrics: {run_dir / 'metrics.jsonl'}\nsummary: {run_dir / 'summary.json'}", file=sys.stderr)
     return 0
@@ -86,15 +88,19 @@ def _logging_to(path: Path):
     """The driver's log to `path` too, beside the terminal's lines."""
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger().addHandler(handler)
+    loggers = [logging.getLogger(), logging.getLogger("etrain.ray")]  # the second: Ray's paragraphs on dead workers, kept off the terminal
+    for logger in loggers:
+        logger.addHandler(handler)
     try:
         yield
     finally:
-        logging.getLogger().removeHandler(handler)
+        for logger in loggers:
+            logger.removeHandler(handler)
         handler.close()
 
 
 def cmd_prepare(args, started_at: float) -> int:
+    from app.config import load_config
     from app.job import connect
     from pipelines.prepare import open_output, prepare
 
@@ -114,7 +120,7 @@ def cmd_prepare(args, started_at: float) -> int:
 def _parse_option(item: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
     if not sep or not key:
-        raise ConfigError(f"--storage-option {item.split('=')[0]!r} must look like key=value (e.g. endpoint_url=http://127.0.0.1:9000)")
+        raise UsageError(f"--storage-option {item.split('=')[0]!r} must look like key=value (e.g. endpoint_url=http://127.0.0.1:9000)")
     return key, value
 
 
@@ -126,29 +132,41 @@ def cmd_scale(args, started_at: float) -> int:
 
 
 def cmd_status(args, started_at: float) -> int:
-    from app import api
-
+    """RUN, a run directory: read from the status.json its coordinator keeps (no Ray needed, and a finished
+    or failed run shows its last state). A run's name, or no RUN: asked of the Ray cluster."""
     if args.every <= 0:
-        raise ConfigError(f"--every must be positive, got {args.every}")
+        raise UsageError(f"--every must be positive, got {args.every}")
     if args.run is None:
+        from app import api
+
         names = api.runs()
         print("\n".join(_status_line(api.status(n)) for n in names) if names else "no etrain job is running on this Ray cluster")
         return 0
-    live, shown = not args.once and not args.json, False
+    live = not args.once and not args.json
     clear = "\033[H\033[J" if live and sys.stdout.isatty() else ""
     while True:
-        try:
-            st = api.status(args.run)
-        except ConfigError:
-            if not shown:
-                raise
-            print(f"{args.run}: the job has ended (its coordinator is gone); its records are in {Path(args.run) / 'metrics.jsonl'}")
-            return 0
+        st = _read_status(args.run)
         print(clear + (json.dumps(st, indent=1) if args.json else _status_text(st)), flush=True)
-        if not live:
+        if not live or st["phase"] in ("finished", "failed"):
             return 0
-        shown = True
         time.sleep(args.every)
+
+
+def _read_status(run: str) -> dict:
+    path = Path(run) / "status.json"
+    if path.is_file():
+        from app.metrics import read_json
+
+        st = read_json(path)
+        st["updated_s_ago"] = time.time() - st["updated"]
+        return st
+    if Path(run).is_dir():
+        raise UsageError(
+            f"{run} has no status.json: the run started before etrain wrote one, or never formed its group; `etrain report {run}` summarises its records"
+        )
+    from app import api
+
+    return api.status(run)
 
 
 def _status_line(st: dict) -> str:
@@ -164,8 +182,10 @@ def _status_text(st: dict) -> str:
 
     done = st["step"] / st["total_steps"]
     ckpt = st["last_checkpoint"]
+    ended = {"finished": "  (the job has ended)", "failed": f"  (the job failed: {st.get('failure')})"}.get(st["phase"], "")
+    quiet = st.get("updated_s_ago", 0) > 30 and not ended
     lines = [
-        f"run {st['run']}  ({st['run_dir']})",
+        f"run {st['run']}  ({st['run_dir']}){ended}" + (f"  (no update for {_duration(st['updated_s_ago'])}: is its driver alive?)" if quiet else ""),
         f"  {st['phase']:<13} step {st['step']}/{st['total_steps']} ({done:.0%})  elapsed {_duration(st['elapsed_s'])}  ETA {_duration(st['eta_s'])}",
         f"  loss {num(st['loss'], '.4f')}  eval loss {num(st['eval_loss'], '.4f')}  tokens/s {num(st['tokens_per_s'], ',.0f')}  MFU {num(st['mfu'], '.1%')}",
         f"  workers {st['world_size']} (wanted {st['wanted']}{', autoscaling' if st['autoscaling'] else ''})  warm pool {st['warm_pool_ready']} ready"
@@ -197,6 +217,25 @@ def cmd_report(args, started_at: float) -> int:
     return 0
 
 
+def cmd_cluster(args, started_at: float) -> int:
+    from app import local_cluster
+
+    if args.action == "up":
+        cluster = local_cluster.up(args.cpus, fake=not args.no_autoscaler)
+        print(local_cluster.exports(cluster))
+        print(
+            f"Ray head at {cluster.address} (dashboard {cluster.dashboard}); its clients need the variables above: "
+            f'eval "$(etrain cluster env)"; stop it with `etrain cluster down`',
+            file=sys.stderr,
+        )
+    elif args.action == "env":
+        print(local_cluster.exports(local_cluster.current()))
+    else:
+        cluster = local_cluster.down()
+        print(f"stopped the Ray head at {cluster.address} and its nodes", file=sys.stderr)
+    return 0
+
+
 def cmd_spot_watch(args, started_at: float) -> int:
     from app.spot import watch
 
@@ -205,6 +244,7 @@ def cmd_spot_watch(args, started_at: float) -> int:
 
 
 def cmd_tune(args, started_at: float) -> int:
+    from app.config import ConfigError, load_config
     from tune.search import format_table, run_search
     from tune.space import load_space
 
@@ -256,6 +296,8 @@ def cmd_tune(args, started_at: float) -> int:
 
 
 def cmd_config(args, started_at: float) -> int:
+    from app.config import load_config
+
     cfg = load_config(args.config, args.set)
     print(cfg.to_yaml(), end="")
     need, here = cfg.worker_memory(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -269,7 +311,9 @@ def cmd_config(args, started_at: float) -> int:
     return 0
 
 
-def _resume_config(run_dir: Path, overrides: list[str]) -> Config:
+def _resume_config(run_dir: Path, overrides: list[str]):
+    from app.config import RESUMABLE, ConfigError, load_config
+
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give the directory `etrain train` printed")
@@ -283,57 +327,120 @@ def _resume_config(run_dir: Path, overrides: list[str]) -> Config:
     return cfg
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Defaults beside the options that have one, examples as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, [], argparse.SUPPRESS) or action.option_strings == ["-h", "--help"]:
+            return action.help
+        return f"{action.help} (default: {action.default})"
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="etrain", description="Elastic transformer training on Ray.")
+    parser = argparse.ArgumentParser(
+        prog="etrain",
+        description="Elastic transformer training on Ray.",
+        formatter_class=_Help,
+        epilog="examples:\n  etrain train --config tiny\n  etrain status runs/NAME\n  etrain COMMAND --help",
+    )
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    def with_config(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--config", "-c", help="preset name in configs/ (tiny, small, ...) or a YAML file")
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. train.steps=100")
+    def command(name: str, func, help: str, *examples: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, formatter_class=_Help, epilog="examples:\n" + "\n".join(f"  {e}" for e in examples))
+        p.set_defaults(func=func)
+        return p
 
-    p = sub.add_parser("train", help="train a model (a new run, or --resume RUN_DIR)")
+    def with_config(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", "-c", help="preset name in configs/ (tiny, small, gpu-125m, gpu-1b) or a YAML file; none: the defaults")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. train.steps=100 (repeatable)")
+
+    p = command(
+        "train",
+        cmd_train,
+        "train a model (a new run, or --resume RUN_DIR)",
+        "etrain train --config tiny --set train.steps=500",
+        "etrain train --resume runs/20261129-123456 --set train.steps=800",
+    )
     with_config(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest committed checkpoint")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
-    p.set_defaults(func=cmd_train)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines (events only)")
+    p.add_argument("--log-every", type=float, default=30.0, metavar="SECONDS", help="off a terminal (job logs): one progress line per interval")
 
-    p = sub.add_parser("prepare", help="turn raw documents into training shards (Ray Data)")
+    p = command(
+        "prepare",
+        cmd_prepare,
+        "turn raw documents into training shards (Ray Data)",
+        "etrain prepare docs/ dump.jsonl --out corpus/ --field body",
+        "etrain prepare s3://raw/crawl/ --out s3://bucket/corpus --storage-option endpoint_url=http://127.0.0.1:9000",
+    )
     p.add_argument("src", nargs="+", help="text files, directories, globs, .jsonl or .parquet; local or s3://")
     p.add_argument("--out", required=True, help="output directory or URI (shards, manifest.json, report.json, quarantine.jsonl)")
     with_config(p)
-    p.add_argument("--field", help="JSONL key holding the text (prepare.jsonl_field, default 'text')")
-    p.add_argument("--column", help="Parquet column holding the text (prepare.parquet_column, default 'text')")
+    p.add_argument("--field", help="JSONL key holding the text (prepare.jsonl_field; none: 'text')")
+    p.add_argument("--column", help="Parquet column holding the text (prepare.parquet_column; none: 'text')")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output")
     p.add_argument(
         "--storage-option", action="append", default=[], metavar="KEY=VALUE", help="fsspec option for s3:// (endpoint_url, key, secret ...); never logged"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_prepare)
 
-    p = sub.add_parser("scale", help="resize a running job at its next step boundary")
+    p = command("scale", cmd_scale, "resize a running job at its next step boundary", "etrain scale runs/20261129-123456 --workers 3")
     p.add_argument("run", help="the run directory (or its name)")
     p.add_argument("--workers", type=int, required=True, help="workers wanted")
-    p.set_defaults(func=cmd_scale)
 
-    p = sub.add_parser("status", help="a live view of a running job (or, without RUN, the jobs running on this cluster)")
-    p.add_argument("run", nargs="?", help="the run directory (or its name)")
+    p = command(
+        "status",
+        cmd_status,
+        "a live view of a job, running or ended (or, without RUN, the jobs running on this cluster)",
+        "etrain status",
+        "etrain status runs/20261129-123456",
+        "etrain status runs/20261129-123456 --json",
+    )
+    p.add_argument("run", nargs="?", help="the run directory (read from its status.json), or a running job's name (asked of Ray)")
     p.add_argument("--once", action="store_true", help="print the view once and exit")
     p.add_argument("--json", action="store_true", help="print the status as JSON once (for scripts)")
     p.add_argument("--every", type=float, default=2.0, help="seconds between refreshes of the live view")
-    p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("report", help="plots of a run (loss, throughput with scale events, data wait, world size, grad norms): PNG + HTML")
+    p = command(
+        "report",
+        cmd_report,
+        "plots of a run (loss, throughput with scale events, data wait, world size, grad norms): PNG + HTML",
+        "etrain report runs/20261129-123456",
+    )
     p.add_argument("run", help="the run directory")
-    p.add_argument("--out", help="where to write the plots (default RUN/report)")
-    p.set_defaults(func=cmd_report)
+    p.add_argument("--out", help="where to write the plots (none: RUN/report)")
 
-    p = sub.add_parser("spot-watch", help="on a spot worker node: turn the interruption notice into a Ray drain (cluster.yaml runs it)")
+    p = command(
+        "cluster",
+        cmd_cluster,
+        "a Ray head on this machine, with token authentication and the autoscaler on Ray's fake multi-node provider",
+        'etrain cluster up && eval "$(etrain cluster env)"',
+        "ray job submit -- etrain train --config tiny --set cluster.max_workers=2",
+        "etrain cluster down",
+    )
+    p.add_argument(
+        "action", choices=["up", "env", "down"], help="start it, print the exports its clients need, or stop it (its processes only, never `ray stop`)"
+    )
+    p.add_argument("--cpus", type=int, default=1, help="CPUs of the head (the autoscaler adds 2-CPU nodes: cluster-fake.yaml)")
+    p.add_argument("--no-autoscaler", action="store_true", help="a plain head, without the fake multi-node autoscaler")
+
+    p = command(
+        "spot-watch",
+        cmd_spot_watch,
+        "on a spot worker node: turn the interruption notice into a Ray drain (cluster.yaml runs it)",
+        "etrain spot-watch --every 5",
+    )
     p.add_argument("--imds", default="http://169.254.169.254", help="instance metadata endpoint")
-    p.add_argument("--node-id", help="node to drain; default the node this runs on")
+    p.add_argument("--node-id", help="node to drain; none: the node this runs on")
     p.add_argument("--every", type=float, default=5.0, help="seconds between polls (AWS gives 120 s notice)")
-    p.set_defaults(func=cmd_spot_watch)
 
-    p = sub.add_parser("tune", help="Bayesian hyper-parameter search (Ray Tune, Optuna TPE, ASHA) over real training runs")
+    p = command(
+        "tune",
+        cmd_tune,
+        "Bayesian hyper-parameter search (Ray Tune, Optuna TPE, ASHA) over real training runs",
+        "etrain tune --config tiny --space space.yaml --trials 24 --concurrency 2 --out tune/",
+        "etrain tune --resume --out tune/",
+    )
     with_config(p)
     p.add_argument("--space", help="YAML: config keys and their distributions (loguniform, uniform, int, choice)")
     p.add_argument("--trials", type=int, default=20, help="trials to run")
@@ -344,11 +451,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pruning", action="store_true", help="run every trial to the end (no ASHA)")
     p.add_argument("--resume", action="store_true", help="continue the search in --out; finished trials are not run again")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_tune)
 
-    p = sub.add_parser("config", help="print the resolved config")
+    p = command(
+        "config", cmd_config, "print the resolved config, and the model's size and memory per worker", "etrain config --config small --set optim.lr=1e-3"
+    )
     with_config(p)
-    p.set_defaults(func=cmd_config)
     return parser
 
 

@@ -16,14 +16,29 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from app.errors import UsageError
+
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # What a resume may change: how, where and how long a run goes on (and how gradients travel); never the
 # model, data or optimizer.
-RESUMABLE = ("train.steps", "train.eval_every", "train.eval_samples", "checkpoint", "cluster", "timeouts", "run", "prepare", "faults", "balance", "comm")
+RESUMABLE = (
+    "train.deterministic",
+    "train.steps",
+    "train.eval_every",
+    "train.eval_samples",
+    "checkpoint",
+    "cluster",
+    "timeouts",
+    "run",
+    "prepare",
+    "faults",
+    "balance",
+    "comm",
+)
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A config the user gave is wrong; the message says what and how to fix it."""
 
 
@@ -137,6 +152,11 @@ class TrainConfig(Section):
     )
     outlier_warmup: int = Field(20, ge=2, description="accepted steps before the outlier guard starts judging")
     outlier_patience: int = Field(3, ge=1, description="outliers in a row that make the guard start over (a new regime)")
+    deterministic: bool = Field(
+        False,
+        description="bitwise-repeatable losses, also across a lost worker, a resize or a resume: an equal split of each step "
+        "whatever the workers' speeds (balance.enabled=false) and torch's deterministic algorithms",
+    )
     max_nan_rollbacks: int = Field(
         3, ge=0, description="a non-finite gradient rolls the run back to the last checkpoint with the lr halved, at most this many times; then the job fails"
     )
@@ -261,6 +281,17 @@ class Config(Section):
     run: RunConfig = RunConfig()
     faults: list[Fault] = Field([], description="injected failures (testing); see Fault")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _deterministic_split(cls, raw: Any) -> Any:
+        """train.deterministic means an equal split: balance.enabled follows it, and saying otherwise is an error."""
+        if not isinstance(raw, dict) or (raw.get("train") or {}).get("deterministic") is not True:
+            return raw
+        balance = raw.get("balance") or {}
+        if balance.get("enabled") is True:
+            raise ValueError("train.deterministic=true splits every step equally: it needs balance.enabled=false (or leave it out)")
+        return {**raw, "balance": {**balance, "enabled": False}}
+
     @model_validator(mode="after")
     def _cross_section(self) -> Config:
         if self.train.precision == "fp16" and self.cluster.gpus_per_worker == 0:
@@ -277,6 +308,8 @@ class Config(Section):
             )
         if self.comm.mode == "ps" and (self.comm.zero or self.comm.compression != "none"):
             raise ValueError("comm.mode=ps sends whole gradients to the parameter servers: comm.zero and comm.compression apply to allreduce only")
+        if self.comm.mode == "ps" and self.train.deterministic:
+            raise ValueError("comm.mode=ps is not repeatable (which update a gradient lands in depends on timing): it cannot be train.deterministic")
         if self.comm.mode == "ps" and (self.train.batch_scaling == "linear" or self.train.precision == "fp16"):
             raise ValueError(
                 "comm.mode=ps needs train.batch_scaling=constant (a step is one global batch) and no fp16 (the shards have no loss scaler): use bf16"

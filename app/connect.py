@@ -19,6 +19,9 @@ import ray
 from app.config import ConfigError
 
 NAMESPACE = "etrain"
+RAY_LOG = logging.getLogger("etrain.ray")  # Ray's messages about the job's workers: the log file, not the terminal
+RAY_LOG.propagate = False  # only to the handlers given to it (etrain train: RUN/driver.log)
+RAY_LOG.setLevel(logging.INFO)
 TOKEN_HELP = (
     "this cluster uses token authentication: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, "
     "or the token file ~/.ray/auth_token) to the head node's token (`ray get-auth-token` on the head prints it)"
@@ -33,13 +36,34 @@ def connect(address: str | None, timeout_s: float, num_cpus: int | None = None) 
     if address is None:
         # "local": a new instance even when a stale ray_current_cluster names a dead one.
         ray.init(address="local", num_cpus=num_cpus, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+    else:
+        if not address.startswith("ray://"):  # Ray Client: its own connection with its own timeout
+            address = probe(address, timeout_s)
+        try:
+            ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+        except ConnectionError as e:
+            raise ConfigError(f"could not join the Ray cluster at {address}: {e}") from None
+    _route_worker_deaths()
+
+
+def _route_worker_deaths() -> None:
+    """Ray prints a paragraph to the driver's stdout for every worker of the job that dies ("A worker died or
+    was killed ..."). A lost worker is what this application recovers from, and the coordinator reports it
+    in one line; the paragraph goes to the log (`etrain.ray`, in RUN/driver.log under `etrain train`)."""
+    import ray._private.worker as ray_worker
+
+    printed = ray_worker.print_to_stdstream
+    if getattr(printed, "routed", False):
         return
-    if not address.startswith("ray://"):  # Ray Client: its own connection with its own timeout
-        address = probe(address, timeout_s)
-    try:
-        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
-    except ConnectionError as e:
-        raise ConfigError(f"could not join the Ray cluster at {address}: {e}") from None
+
+    def route(data: dict, ignore_prefix: bool) -> None:
+        if data.get("pid") == "raylet":
+            RAY_LOG.info("%s", " ".join(data.get("lines", [])))
+        else:
+            printed(data, ignore_prefix)
+
+    route.routed = True
+    ray_worker.print_to_stdstream = route
 
 
 def probe(address: str, timeout_s: float) -> str:

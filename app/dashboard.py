@@ -4,46 +4,17 @@ The coordinator publishes every record it writes to `metrics.jsonl` here too, so
 the dashboard and the run directory never disagree. Prometheus names carry Ray's
 `ray_` prefix (`ray_etrain_loss`); every series has a `run` tag.
 `configs/grafana/etrain.json` is a Grafana dashboard of them.
+
+Every gauge that has a value is set again at each step: a series Ray's exporter has not
+seen set for a while drops out of the scrape, and a panel of the last checkpoint or the
+last scale event would go blank between events.
 """
 
 from __future__ import annotations
 
-import time
-
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from app.config import ModelConfig
-
 STEP_PARTS = ("compute", "communication", "data_wait", "other", "checkpoint_stall")
-
-
-def flops_per_token(model: ModelConfig, params: int) -> float:
-    """Training FLOPs per token: 6 per parameter plus attention (PaLM appendix B, as nanoGPT counts)."""
-    return 6 * params + 12 * model.n_layer * model.d_model * model.seq_len
-
-
-def matmul_peak(device, dtype, seconds: float = 0.05) -> float:
-    """FLOP/s of a square matmul on this worker's device: the ceiling MFU is measured against.
-    Measured rather than looked up, so it is right for CPUs and GPU SKUs alike; a GPU needs a
-    large matmul to reach its peak."""
-    import torch
-
-    size = 8192 if device.type == "cuda" else 512
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    a @ b  # first call: kernel selection, allocation
-    sync()
-    reps, started = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - started) < seconds or reps < 3:
-        a @ b
-        sync()
-        reps += 1
-    return 2 * size**3 * reps / elapsed
 
 
 class Dashboard:
@@ -57,11 +28,11 @@ class Dashboard:
                 "loss": "training loss of the last step",
                 "eval_loss": "loss on the held-out set at the last evaluation",
                 "tokens_per_second": "tokens trained per second, over the last step",
-                "mfu": "model FLOPs utilisation: achieved FLOP/s over the members' measured matmul peak",
+                "mfu": "model FLOPs utilisation: achieved FLOP/s over the members' peak (GPU only; app/flops.py)",
                 "grad_norm": "gradient norm of the last step (before clipping)",
                 "world_size": "workers in the process group",
                 "warm_pool_size": "warm workers ready to join",
-                "cache_hit_rate": "share of the last step's samples served from the node's shard cache",
+                "cache_hit_rate": "share of the shard requests served from the node caches, since the run started",
                 "checkpoint_stall_seconds": "how long the last save held up training",
                 "checkpoint_step": "step of the last committed checkpoint",
             }.items()
@@ -75,10 +46,16 @@ class Dashboard:
         self.grad_norms = Histogram(
             "etrain_grad_norm_distribution", "gradient norms", boundaries=[0.01, 0.03, 0.1, 0.3, 0.5, 1, 2, 3, 5, 10, 30, 100], tag_keys=keys
         )
+        # Ray 2.60 exports a histogram's _sum from its buckets' midpoints; the exact sum (for the mean) is this.
+        self.grad_norm_total = Counter("etrain_grad_norms", "the sum of every gradient norm (the mean: over ..._distribution_count)", tag_keys=keys)
+        self.held: dict = {}  # (gauge name, extra tag) -> (gauge, value, tags): what each step sets again
+        self.cache = {"hits": 0, "served": 0}
 
-    def _set(self, name: str, value) -> None:
+    def _set(self, name: str, value, gauge=None, **extra) -> None:
         if value is not None:
-            self.gauges[name].set(float(value), tags=self.tags)
+            gauge, tags = gauge or self.gauges[name], {**self.tags, **extra}
+            gauge.set(float(value), tags=tags)
+            self.held[(name, tuple(extra.items()))] = (gauge, float(value), tags)
 
     def pool(self, ready: int) -> None:
         self._set("warm_pool_size", ready)
@@ -90,9 +67,8 @@ class Dashboard:
         elif kind == "eval":
             self._set("eval_loss", record["eval_loss"])
         elif kind == "membership":
-            tags = {**self.tags, "reason": record["reason"]}
-            self.scale_events.inc(1, tags=tags)
-            self.scale_latency.set(record["total_s"], tags=tags)
+            self.scale_events.inc(1, tags={**self.tags, "reason": record["reason"]})
+            self._set("scale_latency", record["total_s"], self.scale_latency, reason=record["reason"])
             self._set("world_size", record["world_after"])
         elif kind == "checkpoint":
             self._set("checkpoint_step", record["step"])
@@ -110,11 +86,15 @@ class Dashboard:
             self._set(gauge, r.get(field))
         if r.get("grad_norm") is not None and r["grad_norm"] == r["grad_norm"]:  # NaN has no bucket
             self.grad_norms.observe(r["grad_norm"], tags=self.tags)
+            self.grad_norm_total.inc(r["grad_norm"], tags=self.tags)
         if "compute_s" in r:  # a step with every member's result (not parameter-server mode)
             for part in STEP_PARTS:
-                self.step_seconds.set(r[f"{part}_s"], tags={**self.tags, "part": part})
-        served = r.get("cache_hits", 0) + r.get("cache_misses", 0)
-        if served:
-            self._set("cache_hit_rate", r["cache_hits"] / served)
+                self._set("step_seconds", r[f"{part}_s"], self.step_seconds, part=part)
+        self.cache["hits"] += r.get("cache_hits", 0)
+        self.cache["served"] += r.get("cache_hits", 0) + r.get("cache_misses", 0)
+        if self.cache["served"]:
+            self._set("cache_hit_rate", self.cache["hits"] / self.cache["served"])
         if r.get("fetched_bytes"):
             self.fetched.inc(r["fetched_bytes"], tags=self.tags)
+        for gauge, value, tags in self.held.values():  # the values of earlier events, so their series stay
+            gauge.set(value, tags=tags)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,7 +21,6 @@ from ray.util.scheduling_strategies import (
     NodeAffinitySchedulingStrategy,
     PlacementGroupSchedulingStrategy,
 )
-from tqdm import tqdm
 
 from actors.control import JobError, why
 from actors.coordinator import Coordinator
@@ -31,6 +29,7 @@ from app.checkpoint import checkpoint_uri
 from app.config import Config, ConfigError, override
 from app.connect import NAMESPACE
 from app.lease import acquire, release
+from app.progress import Progress
 from pipelines.embedded import ensure_corpus
 from pipelines.shards import training_manifest
 
@@ -90,7 +89,13 @@ def check_memory(cfg: Config) -> None:
 
 
 def train(
-    cfg: Config, run_dir: Path, resume: bool = False, started_at: float | None = None, progress: bool = True, on_eval: Callable[[dict], None] | None = None
+    cfg: Config,
+    run_dir: Path,
+    resume: bool = False,
+    started_at: float | None = None,
+    progress: bool = True,
+    on_eval: Callable[[dict], None] | None = None,
+    log_every: float = 30.0,
 ) -> dict:
     """Run (or resume) a job to its end; `on_eval` sees each evaluation record as it happens (a Tune trial reports them).
     The run's lease is taken first: a run another live driver is training is refused (RunBusy)."""
@@ -100,12 +105,12 @@ def train(
         cfg = override(cfg, {"checkpoint.uri": str(durable(Path(cfg.checkpoint.uri).expanduser().resolve(), "checkpoint.uri"))})
     lease = acquire(checkpoint_uri(cfg, run_dir), run_dir.name, cfg.timeouts.lease_s)
     try:
-        return _run(cfg, run_dir, resume, started_at, progress, on_eval, lease)
+        return _run(cfg, run_dir, resume, started_at, Progress(cfg.train.steps, progress, log_every), on_eval, lease)
     finally:
         release(lease)
 
 
-def _run(cfg: Config, run_dir: Path, resume: bool, started_at: float, progress: bool, on_eval, lease) -> dict:
+def _run(cfg: Config, run_dir: Path, resume: bool, started_at: float, progress: Progress, on_eval, lease) -> dict:
     # The worker module brings torch (~3 s to import): load it while Ray starts.
     with ThreadPoolExecutor(1) as pool:
         worker_module = pool.submit(importlib.import_module, "actors.worker")
@@ -178,12 +183,9 @@ def _beside_driver():
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
-def _follow(coordinator, done, cfg: Config, progress: bool, on_eval: Callable[[dict], None] | None = None) -> None:
-    # In a terminal the bar redraws in place; in a job log (ray job submit) a line every 30 s is enough.
-    # Events go to stderr with the bar: stdout carries only the summary (scripts parse it).
-    interactive = sys.stderr.isatty()
-    bar = tqdm(total=cfg.train.steps, unit="step", desc="starting", disable=not progress, dynamic_ncols=True, mininterval=0.1 if interactive else 30)
-    with bar:
+def _follow(coordinator, done, cfg: Config, progress: Progress, on_eval: Callable[[dict], None] | None = None) -> None:
+    """Show the job's records as they come (app/progress.py) until it ends; hand evaluations to `on_eval`."""
+    try:
         while True:
             finished, _ = ray.wait([done], timeout=0.5)
             try:
@@ -192,24 +194,31 @@ def _follow(coordinator, done, cfg: Config, progress: bool, on_eval: Callable[[d
                 raise JobError(
                     f"the job's coordinator has not answered for {cfg.timeouts.join_s:.0f} s (timeouts.join_s): its process is hung or its node unreachable"
                 ) from None
-            bar.set_description(phase)
+            progress.phase(phase)
             for e in events:
-                if e["kind"] == "resume":
-                    bar.n = e["step"]
-                    bar.write(_resumed(e), file=sys.stderr)
-                elif e["kind"] == "train" and e.get("loss") is not None:
-                    bar.update(e["step"] - bar.n)
-                    bar.set_postfix(loss=f"{e['loss']:.3f}", tok_s=f"{e['tokens_per_s']:.0f}", world=e["world_size"])
-                elif e["kind"] == "eval":
-                    bar.write(f"step {e['step']}: eval loss {e['eval_loss']:.4f}", file=sys.stderr)
-                    if on_eval is not None:
-                        on_eval(e)
-                elif e["kind"] == "checkpoint_failed":
-                    bar.write(f"step {e['step']}: warning: the checkpoint was not written ({e['error']}); training goes on", file=sys.stderr)
-                elif e["kind"] == "membership":
-                    phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in e["phases"].items())
-                    bar.write(
-                        f"step {e['step']}: {e['reason']} {e['world_before']} -> {e['world_after']} workers in {e['total_s']:.2f} s ({phases})", file=sys.stderr
-                    )
+                _show(e, progress)
+                if e["kind"] == "eval" and on_eval is not None:
+                    on_eval(e)
             if finished:
                 return
+    finally:
+        progress.close()
+
+
+def _show(e: dict, progress: Progress) -> None:
+    kind = e["kind"]
+    if kind == "train":
+        progress.step(e)
+    elif kind in ("resume", "rollback"):
+        progress.rewind(e["step"])
+        if kind == "resume":
+            progress.event(_resumed(e))
+    elif kind == "eval":
+        progress.event(f"step {e['step']}: eval loss {e['eval_loss']:.4f}")
+    elif kind == "warning":
+        progress.event(f"step {e['step']}: warning: {e['text']}")
+    elif kind == "checkpoint_failed":
+        progress.event(f"step {e['step']}: warning: the checkpoint was not written ({e['error']}); training goes on")
+    elif kind == "membership":
+        phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in e["phases"].items())
+        progress.event(f"step {e['step']}: {e['reason']} {e['world_before']} -> {e['world_after']} workers in {e['total_s']:.2f} s ({phases})")

@@ -28,6 +28,10 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
 def write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1) + "\n")
@@ -45,3 +49,10 @@ def truncate_after(path: Path, step: int) -> int:
     tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
     os.replace(tmp, path)
     return len(redone)
+
+
+def eta_s(commits: list[float], steps_left: int) -> float | None:
+    """Seconds to the last step at the pace of the recent steps, from their commit times (None before two)."""
+    if len(commits) < 2:
+        return None
+    return steps_left * (commits[-1] - commits[0]) / (len(commits) - 1)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from botocore.exceptions import BotoCoreError
 
+from app.errors import Failure
+
 STORAGE_ERRORS: tuple[type[BaseException], ...] = (OSError, BotoCoreError)
 
 
-class StorageError(RuntimeError):
+class StorageError(Failure):
     """Storage cannot be reached or refuses; the message names the URI and what to do."""
 
 

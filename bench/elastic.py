@@ -20,9 +20,10 @@ checkpoint; ours (cluster.max_workers=2, warm pool 1) lets the pool worker
 that started on the new node join. Measured: scale_out_s, from the node's
 arrival to the first step trained by 2 workers.
 
-Prints a table and the ratios, writes bench/results/elastic.json.
+Each variant runs --rounds times (3), interleaved; the table, the ratios and
+bench/results/elastic.json give medians with their spread.
 
-    python bench/elastic.py [--steps 150] [--kill-at 90] [--ckpt-every 25]
+    python bench/elastic.py [--steps 150] [--kill-at 90] [--ckpt-every 25] [--rounds 3] [--only ours-grow ...]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -304,6 +306,9 @@ def forward(args) -> list[str]:
     ]
 
 
+METRIC = {"raytrain": "recovery_s", "ours": "recovery_s", "raytrain-grow": "scale_out_s", "ours-grow": "scale_out_s"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=150)
@@ -311,29 +316,39 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=25, help="Ray Train's checkpoint interval (steps)")
     p.add_argument("--grow-timeout", type=float, default=240, help="longest wait for a step at 2 workers after the node")
     p.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "etrain-bench-data"))
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every variant; the figures are their medians")
+    p.add_argument("--only", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="variants to run")
     p.add_argument("--variant", choices=VARIANTS)
     args = p.parse_args()
     if args.variant:
         print(json.dumps(VARIANTS[args.variant](args)))
         return
-    rows = {}
-    for variant in ("raytrain", "ours"):
-        rows[variant] = r = measure(args, variant)
-        print(f"worker lost   {variant:9s} recovery {r['recovery_s']:6.2f} s   steps redone {r['steps_redone']}   run {r['wall_s']:6.1f} s", flush=True)
-    for variant in ("raytrain-grow", "ours-grow"):
-        rows[variant] = r = measure(args, variant)
-        print(f"node added    {variant:13s} first step at 2 workers {r['scale_out_s']:6.2f} s after the node", flush=True)
-    ratios = {
-        "ours_vs_raytrain_recovery_s": rows["ours"]["recovery_s"] / rows["raytrain"]["recovery_s"],
-        "ours_vs_raytrain_wall_s": rows["ours"]["wall_s"] / rows["raytrain"]["wall_s"],
-        "ours_vs_raytrain_scale_out_s": rows["ours-grow"]["scale_out_s"] / rows["raytrain-grow"]["scale_out_s"],
-    }
+    runs: dict[str, list[dict]] = {v: [] for v in args.only}
+    for round_ in range(args.rounds):  # interleaved: a drift in the machine's speed hits every variant alike
+        for variant in args.only:
+            r = measure(args, variant)
+            runs[variant].append(r)
+            print(f"round {round_ + 1}  {variant:13s} {METRIC[variant]} {r[METRIC[variant]]:6.2f} s   run {r['wall_s']:6.1f} s", flush=True)
+    rows = {v: summary(rs) for v, rs in runs.items()}
+    ratios = {}
+    for ours, theirs, key in (("ours", "raytrain", "recovery_s"), ("ours", "raytrain", "wall_s"), ("ours-grow", "raytrain-grow", "scale_out_s")):
+        if ours in rows and theirs in rows:
+            ratios[f"ours_vs_raytrain_{key}"] = rows[ours][key]["median"] / rows[theirs][key]["median"]
+    for variant, row in rows.items():
+        figure = row[METRIC[variant]]
+        print(f"{variant:13s} {METRIC[variant]:12s} median {figure['median']:6.2f} s  (spread {figure['min']:.2f}-{figure['max']:.2f})")
     for name, value in ratios.items():
         print(f"{name:32s} {value:6.3f}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "elastic.json"
-    out.write_text(json.dumps({"args": vars(args), "rows": rows, "ratios": ratios, "when": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
+    out.write_text(json.dumps({"args": vars(args), "rows": rows, "runs": runs, "ratios": ratios, "when": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
     print(f"written: {out}")
+
+
+def summary(runs: list[dict]) -> dict:
+    """Each numeric figure of a variant's rounds: median, min and max."""
+    keys = [k for k, v in runs[0].items() if isinstance(v, int | float)]
+    return {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs), "max": max(r[k] for r in runs)} for k in keys}
 
 
 if __name__ == "__main__":

@@ -77,6 +77,11 @@ class ShardCache:
             raise
         return {"path": path, "hit": hit, "wait_s": time.perf_counter() - started}
 
+    def warm(self, cursor: int) -> None:
+        """Start fetching the shard read at `cursor` (a new node's cache, before its first worker asks)."""
+        with self._lock:
+            self._prefetch(cursor)
+
     def release(self, shard: int, holder: str) -> None:
         with self._lock:
             holders = self._pins.get(shard, Counter())

@@ -26,10 +26,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from app.errors import UsageError
+
 FORMAT = "etrain.shards/1"
 
 
-class ShardError(RuntimeError):
+class ShardError(UsageError):
     """A manifest or shard is unusable; the message names it and what to do."""
 
 

@@ -26,7 +26,7 @@ FAST = [
     "timeouts.collective_s=5",
     "timeouts.step_s=15",
     "timeouts.join_s=60",
-    "balance.enabled=false",
+    "train.deterministic=true",
 ]
 
 

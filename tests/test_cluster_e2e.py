@@ -1,7 +1,7 @@
 """End to end on a real Ray head with the real autoscaler (fake multi-node provider), token auth on:
 `ray job submit` runs `etrain train`, the autoscaler adds a node, a warm worker starts there and
 joins the running job, a worker SIGKILLed from outside does not fail the job, a preemption notice
-moves workers off a node. See tests/fake_cluster.py."""
+moves workers off a node. The head is app/local_cluster.py's (what `etrain cluster up` starts)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from fake_cluster import FakeCluster
 
+from app.local_cluster import LocalCluster
 from app.metrics import read_jsonl
 
 STATUS = "import json, sys; from app import api; print(json.dumps(api.status(sys.argv[1])))"
@@ -26,13 +26,14 @@ STATUS = "import json, sys; from app import api; print(json.dumps(api.status(sys
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = FakeCluster(tmp_path_factory.mktemp("fake-cluster"), head_cpus=1)
+    c = LocalCluster.new(tmp_path_factory.mktemp("fake-cluster"), head_cpus=1)
     c.start()
     yield c
     c.stop()
+    assert not c.processes(), "a process of the cluster outlived its stop"
 
 
-def submit(cluster: FakeCluster, data_dir: str, root: Path, name: str, *overrides: str) -> str:
+def submit(cluster: LocalCluster, data_dir: str, root: Path, name: str, *overrides: str) -> str:
     sets = [
         f"data.cache_dir={data_dir}",
         "data.corpus_bytes=1500000",
@@ -68,7 +69,7 @@ def wait_for(what: str, predicate, timeout: float = 120, every: float = 0.5):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def wait_job(cluster: FakeCluster, job: str, timeout: float = 300) -> str:
+def wait_job(cluster: LocalCluster, job: str, timeout: float = 300) -> str:
     """How the job ended, as `ray job status` says it ("Job 'X' succeeded")."""
 
     def ended():
@@ -78,7 +79,7 @@ def wait_job(cluster: FakeCluster, job: str, timeout: float = 300) -> str:
     return wait_for(f"job {job} to end", ended, timeout, every=2)
 
 
-def status(cluster: FakeCluster, job: str) -> dict:
+def status(cluster: LocalCluster, job: str) -> dict:
     """What `app.api.status` says about the running job, asked from a fresh process as a user would."""
     return json.loads(cluster.run("python", "-c", STATUS, job).stdout)
 
@@ -126,6 +127,17 @@ def fake_imds(when: float):
 def memberships(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [r for r in read_jsonl(path) if r["kind"] == "membership"] if path.exists() else []
+
+
+def test_the_readme_recipe_grows_the_job_onto_a_node_the_autoscaler_adds(cluster, data_dir, tmp_path):
+    """Issue 16, item 1: the README's "Without a cloud" recipe, `--config tiny` (no warm pool) with
+    cluster.max_workers=2, grows: the autoscaler adds a node for the job's reserved room, a worker
+    started for that room warms up there and joins. (It stayed at one worker for its whole run.)"""
+    job = submit(cluster, data_dir, tmp_path, "recipe", "cluster.warm_pool=0", "train.steps=400")
+    run_dir = tmp_path / "recipe"
+    grown = wait_for("a scale-out", lambda: next((m for m in memberships(run_dir) if m["reason"] == "scale-out"), None), timeout=180)
+    assert (grown["world_before"], grown["world_after"]) == (1, 2) and is_fake_node(grown["joiner_nodes"][0])
+    assert wait_job(cluster, job) == "succeeded", cluster.run("ray", "job", "logs", job).stdout[-3000:]
 
 
 def test_submitted_job_grows_onto_a_new_node_and_survives_a_killed_worker(cluster, data_dir, tmp_path):

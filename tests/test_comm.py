@@ -30,7 +30,9 @@ def reference(make_cfg_module):
 
 
 def test_a_straggler_gets_a_smaller_share_and_every_step_keeps_its_batch(make_cfg):
-    run_dir = run(make_cfg, "straggler", "balance.enabled=true", "train.steps=16", "faults=[{rank: 1, step: 3, kind: slow, factor: 3}]")
+    run_dir = run(
+        make_cfg, "straggler", "train.deterministic=false", "balance.enabled=true", "train.steps=16", "faults=[{rank: 1, step: 3, kind: slow, factor: 3}]"
+    )
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, 17))
     assert all(sum(r["shares"]) == r["batch"] == 16 for r in steps)
@@ -109,7 +111,7 @@ def test_zero1_rolls_back_to_the_checkpoint_when_a_shard_is_lost(make_cfg, refer
 
 def test_parameter_server_mode_bounds_staleness_and_resumes(make_cfg):
     slow = "faults=[{rank: 1, step: 2, kind: slow, factor: 4}]"
-    ps = ["comm.mode=ps", "comm.ps_window_s=0.05", "comm.ps_max_staleness=2", "train.eval_every=10", "checkpoint.every=10"]
+    ps = ["train.deterministic=false", "comm.mode=ps", "comm.ps_window_s=0.05", "comm.ps_max_staleness=2", "train.eval_every=10", "checkpoint.every=10"]
     run_dir = run(make_cfg, "ps", *ps, "train.steps=20", slow)
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, 21))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from actors.control import Observation, State, autoscale, next_state
+from actors.control import Observation, State, autoscale, next_state, pool_size
 
 
 def obs(**kw) -> Observation:
@@ -44,16 +44,34 @@ def test_every_live_state_can_reach_finished():
 
 
 @pytest.mark.parametrize(
-    "world, free, ready, max_workers, expected",
+    "world, free, ready, max_workers, warm_pool, expected",
     [
-        (2, 0, 1, 4, 2),  # no room beyond the pool: the pool stays a reserve
-        (2, 1, 0, 4, 2),  # room, but no warm worker yet: wait rather than join cold
-        (2, 1, 1, 4, 3),
-        (2, 3, 1, 4, 3),  # one ready worker, one join; the refilled pool brings the next
-        (2, 5, 5, 4, 4),  # capped by max_workers
-        (4, 2, 2, 4, 4),
-        (5, 0, 0, 4, 5),  # above the cap (asked for by hand): never shrunk by the policy
+        (2, 0, 1, 4, 1, 2),  # no room beyond the pool: the pool stays a reserve
+        (2, 1, 0, 4, 1, 2),  # room, but no warm worker yet: wait rather than join cold
+        (2, 1, 1, 4, 1, 3),
+        (2, 3, 1, 4, 1, 3),  # one ready worker, one join; the refilled pool brings the next
+        (2, 5, 5, 4, 1, 4),  # capped by max_workers
+        (4, 2, 2, 4, 1, 4),
+        (5, 0, 0, 4, 1, 5),  # above the cap (asked for by hand): never shrunk by the policy
+        (1, 0, 1, 2, 0, 2),  # no reserve: a worker started for the room joins once ready, room or not
+        (1, 1, 0, 2, 0, 1),  # ... but not before
+        (2, 0, 2, 4, 1, 3),  # beyond the reserve: joins; the reserve waits for room
     ],
 )
-def test_autoscale(world, free, ready, max_workers, expected):
-    assert autoscale(world, free, ready, max_workers) == expected
+def test_autoscale(world, free, ready, max_workers, warm_pool, expected):
+    assert autoscale(world, free, ready, max_workers, warm_pool) == expected
+
+
+@pytest.mark.parametrize(
+    "world, wanted, free, idle, warm_pool, max_workers, expected",
+    [
+        (2, 2, 0, 1, 1, None, 1),  # a fixed size: the reserve
+        (2, 3, 0, 1, 1, None, 2),  # asked for one more by hand: it is started in the pool
+        (1, 1, 2, 0, 0, 2, 1),  # no reserve, room on a new node: one worker to grow into it (cluster.max_workers=2)
+        (1, 1, 0, 1, 0, 2, 1),  # ... it was started and holds its slot: still one, not another
+        (2, 2, 3, 0, 0, 2, 0),  # at max_workers: nothing beyond
+        (2, 2, 2, 1, 1, 8, 3),  # the reserve plus one per free slot
+    ],
+)
+def test_pool_size(world, wanted, free, idle, warm_pool, max_workers, expected):
+    assert pool_size(world, wanted, free, idle, warm_pool, max_workers) == expected

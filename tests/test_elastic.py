@@ -78,8 +78,9 @@ def test_scale_out_and_in_while_training_keeps_learning(make_cfg, reference):
 
 def test_a_worker_lost_as_a_scale_out_begins_is_recovered(make_cfg):
     """The kill lands in the last step before the change or inside it (state copy, group exit,
-    re-form: `1 worker(s) lost during a scale-out` in the log). Either way the job recovers with
-    the other members and trains every step once."""
+    re-form: `1 worker(s) lost during a scale-out` in the log). Either way the job recovers and
+    trains every step once. (A kill inside the re-form leaves a member waiting in the rendezvous
+    for the dead one, unable to answer the liveness ping: it is replaced too, so 1 or 2 are lost.)"""
     cfg = make_cfg(*FAST, "run.name=race", "train.steps=60")
     run_dir = new_run_dir(cfg)
 
@@ -97,7 +98,7 @@ def test_a_worker_lost_as_a_scale_out_begins_is_recovered(make_cfg):
     thread.join(timeout=5)
     assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 61))
     recovered = [c for c in records(run_dir, "membership") if c["reason"] == "recover"]
-    assert [c["lost"] for c in recovered] == [1]
+    assert len(recovered) == 1 and recovered[0]["lost"] in (1, 2)
 
 
 def test_scale_names_what_is_wrong(make_cfg, capsys):

@@ -16,10 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
-def execute(name: str, env: dict[str, str]) -> nbformat.NotebookNode:
+def execute(name: str, env: dict[str, str], tmp: Path) -> nbformat.NotebookNode:
+    """Run it top to bottom; its temporary directories go under `tmp`, and it must leave none behind."""
     nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), f"{name} is committed with outputs"
-    env = env | {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}  # the kernel inherits it
+    tmp.mkdir()
+    env = env | {"RAY_ADDRESS": ray.get_runtime_context().gcs_address, "TMPDIR": str(tmp)}  # the kernel inherits them
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -27,6 +29,9 @@ def execute(name: str, env: dict[str, str]) -> nbformat.NotebookNode:
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    assert not [p for p in tmp.iterdir() if p.name.startswith("etrain-")], f"{name} left its temporary run behind"
+    text = [o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not any("IProgress" in t or "TqdmWarning" in t for t in text), f"{name}: progress bars fell back to text"
     return nb
 
 
@@ -37,16 +42,23 @@ def images(nb: nbformat.NotebookNode) -> int:
 SMALL = json.dumps(["data.corpus_bytes=1500000", "data.shard_bytes=200000"])  # the session's corpus
 
 
-def test_quickstart_notebook_trains_and_plots(data_dir):
-    nb = execute("01_quickstart.ipynb", {"ETRAIN_NB_STEPS": "30", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL})
+def test_quickstart_notebook_trains_and_plots(data_dir, tmp_path):
+    nb = execute("01_quickstart.ipynb", {"ETRAIN_NB_STEPS": "30", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL}, tmp_path / "tmp")
     assert images(nb) == 2  # the loss, the report's step-time plot
+    # One progress bar, a widget that updates in place (it was 423 outputs of text); the events as lines.
+    training = next(c for c in nb.cells if c.cell_type == "code" and "train(cfg, run_dir)" in c.source)
+    bars = [o for o in training.outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    text = "".join(o.get("text", "") for o in training.outputs)
+    assert len(bars) == 1 and "%|" not in text, [o.get("output_type") for o in training.outputs]
+    assert all(line.startswith("step ") for line in text.splitlines()), text
 
 
-def test_elastic_notebook_scales_out_loses_a_worker_scales_in_and_plots(data_dir):
-    nb = execute("02_elastic.ipynb", {"ETRAIN_NB_STEPS": "90", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL})
+def test_elastic_notebook_scales_out_loses_a_worker_scales_in_and_plots(data_dir, tmp_path):
+    nb = execute("02_elastic.ipynb", {"ETRAIN_NB_STEPS": "90", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL}, tmp_path / "tmp")
     assert images(nb) == 1  # throughput and world size; the notebook asserts the changes and the sample count itself
 
 
-def test_hpo_notebook_searches_and_plots(data_dir):
-    nb = execute("03_hpo.ipynb", {"ETRAIN_NB_TRIALS": "2", "ETRAIN_NB_STEPS": "8", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL})
+def test_hpo_notebook_searches_and_plots(data_dir, tmp_path):
+    env = {"ETRAIN_NB_TRIALS": "2", "ETRAIN_NB_STEPS": "8", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL}
+    nb = execute("03_hpo.ipynb", env, tmp_path / "tmp")
     assert images(nb) == 3  # history, importances, learning curve

@@ -20,7 +20,7 @@ import optuna
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.optuna import OptunaSearch
-from tqdm import tqdm
+from tqdm.auto import tqdm  # a widget in a notebook
 
 from actors.control import why
 from app import checkpoint
