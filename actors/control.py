@@ -67,24 +67,29 @@ def next_state(state: State, obs: Observation) -> State:
     return State.RUNNING
 
 
-def autoscale(world: int, free_slots: int, ready: int, max_workers: int, warm_pool: int) -> int:
+def autoscale(world: int, free_slots: int, ready: int, idle: int, max_workers: int, warm_pool: int) -> int:
     """The autoscaling policy's world size: grow by ready (warm) pool workers, up to max_workers. It never
     shrinks a job: scale-in is asked for (`etrain scale`) or forced (a preemption notice drains a node).
 
-    The first `warm_pool` ready workers are the reserve for failures: one of them joins only where a free
-    slot (room for a worker beyond the pool) lets the pool refill at once. Ready workers beyond the
-    reserve (started for room the job can grow into) join as they are. A joiner is always warm, so
-    growing costs seconds.
+    The first `warm_pool` ready workers are the reserve for failures: one of them joins only where the
+    pool can be made whole again, by a free slot (room for a worker beyond the pool) or by a worker
+    already starting beyond the reserve. Ready workers beyond the reserve (started for room the job can
+    grow into) join as they are. A joiner is always warm, so growing costs seconds.
     """
     reserve = min(ready, warm_pool)
-    joinable = (ready - reserve) + min(free_slots, reserve)
+    beyond = ready - reserve
+    starting_beyond = max(0, idle - warm_pool - beyond)  # each will take a joining reserve worker's place
+    joinable = beyond + min(reserve, free_slots + starting_beyond)
     return max(world, min(max_workers, world + joinable))
 
 
 def pool_size(world: int, wanted: int, free_slots: int, idle: int, warm_pool: int, max_workers: int | None) -> int:
     """Workers the warm pool should hold: its reserve, the workers wanted beyond the group (asked for by
-    hand), and, when autoscaling, one for every free slot the job can still grow into (those already
-    held beyond the reserve count: their slots are no longer free)."""
+    hand), and, when autoscaling, one for every free slot the job can grow into (those already held
+    beyond the reserve count: their slots are no longer free). Below max_workers the pool holds at least
+    one worker: without room it waits as demand, so the autoscaler adds a node and the worker starts
+    there the moment the node is up (the reserve does that when there is one)."""
     if max_workers is None:
         return warm_pool + max(0, wanted - world)
-    return warm_pool + min(max(0, max_workers - world), max(0, idle - warm_pool) + free_slots)
+    grow = min(max(0, max_workers - world), max(0, idle - warm_pool) + free_slots)
+    return max(warm_pool + grow, int(world < max_workers))

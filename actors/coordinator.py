@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 PING_S = 2.0  # a live worker answers `info` at once; one that does not is hung or gone
 WATCH_S = 1.0  # how often the cluster is looked at: preemption notices, free room for autoscaling
 STATUS_S = 1.0  # how often status.json is rewritten while records come
+STATS_S = 0.05  # how long a step waits for the node caches' counts
+ATTACH_S = 0.2  # how long the loop waits for a warm pool worker's cache attach (most take ~50 ms)
 
 
 class StepFailed(Exception):
@@ -263,7 +265,8 @@ class Coordinator:
 
     def _autoscale(self) -> None:
         before, world = self.wanted, len(self.workers)
-        self.wanted = autoscale(world, self._free_slots(), self.pool.ready(), self.cfg.cluster.max_workers, self.cfg.cluster.warm_pool)
+        c = self.cfg.cluster
+        self.wanted = autoscale(world, self._free_slots(), self.pool.ready(), len(self.pool.idle), c.max_workers, c.warm_pool)
         if self.wanted != before:
             self._record({"kind": "autoscale", "step": self.step, "world": world, "wanted": self.wanted, "time": time.time()})
 
@@ -283,7 +286,9 @@ class Coordinator:
 
     def _pool_size(self) -> int:
         max_workers = self.cfg.cluster.max_workers if self.autoscaling else None
-        free = self._free_slots() if self.autoscaling else 0
+        # Room is counted once the pool's starting workers have started: Ray's view of free resources lags
+        # their placement, and a second cold start beside one still going slows both.
+        free = self._free_slots() if self.autoscaling and not self.pool.warming else 0
         return pool_size(len(self.workers), self.wanted, free, len(self.pool.idle), self.cfg.cluster.warm_pool, max_workers)
 
     def _run_step(self) -> None:
@@ -298,7 +303,9 @@ class Coordinator:
         self._prepare_pool()
 
     def _prepare_pool(self) -> None:
-        """Attach pool workers that finished warming up to their node's cache while they wait (not waited for)."""
+        """Attach pool workers that finished warming up to their node's cache while they wait. The attach is
+        waited for a moment (the node's cache has the shard already, most often: then the worker can join
+        at this step boundary), not longer: a slow download must not hold up training."""
         for worker in self.pool.newly_ready():
             try:
                 self.nodes[worker] = node = ray.get(worker.info.remote(), timeout=PING_S)["node"]
@@ -309,7 +316,8 @@ class Coordinator:
             if node in self.draining:  # started on a node with a preemption notice: no use waiting there
                 self.pool.drop([worker])
                 continue
-            self.pool.preparing[worker] = self._attach_caches([worker], [node], cursor=self.cursor, wait=False)[0]
+            self.pool.preparing[worker] = attach = self._attach_caches([worker], [node], cursor=self.cursor, wait=False)[0]
+            ray.wait([attach], timeout=ATTACH_S)
 
     def _train_step(self) -> None:
         """Take the next global batch, split it over the workers by speed, commit when all finished."""
@@ -556,8 +564,7 @@ class Coordinator:
             self.workers, self.lost, self._failed_since = members + joiners, gone.lost, time.perf_counter()
             log.warning("%d worker(s) lost during a %s at step %d; recovering", len(gone.lost), reason, self.step)
             return
-        self._refill()
-        self._pending_event = {**event, "phases": phases, "_started": started}
+        self._pending_event = {**event, "phases": phases, "_started": started}  # the pool refills after its first step
 
     def _sharded(self) -> bool:
         return self.cfg.comm.zero and len(self.workers) > 1
@@ -732,7 +739,7 @@ class Coordinator:
     def _data_metrics(self, per_worker: list[dict]) -> dict:
         """This step's data cost: slowest worker's wait, cache hits/misses, bytes fetched by the node caches."""
         refs = {node: cache.stats.remote() for node, cache in self.caches.items()}
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=PING_S)
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=STATS_S)  # a cache still starting is counted later
         delta = {"fetched_bytes": 0, "fetched_shards": 0}
         for node, ref in refs.items():
             try:

@@ -196,7 +196,7 @@ def load_shard(uri: str, entry: dict, row_len: int, dtype: np.dtype) -> np.ndarr
         data = f.read()
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise ShardError(f"shard {uri} does not match its manifest sha256; it is corrupt or was replaced: re-run `etrain prepare`")
-    return decode(pq.read_table(pa.BufferReader(data), columns=["tokens"]), row_len, dtype)
+    return decode(pq.ParquetFile(pa.BufferReader(data)).read(columns=["tokens"]), row_len, dtype)
 
 
 def decode(table: pa.Table, row_len: int, dtype: np.dtype) -> np.ndarray:

@@ -44,22 +44,23 @@ def test_every_live_state_can_reach_finished():
 
 
 @pytest.mark.parametrize(
-    "world, free, ready, max_workers, warm_pool, expected",
+    "world, free, ready, idle, max_workers, warm_pool, expected",
     [
-        (2, 0, 1, 4, 1, 2),  # no room beyond the pool: the pool stays a reserve
-        (2, 1, 0, 4, 1, 2),  # room, but no warm worker yet: wait rather than join cold
-        (2, 1, 1, 4, 1, 3),
-        (2, 3, 1, 4, 1, 3),  # one ready worker, one join; the refilled pool brings the next
-        (2, 5, 5, 4, 1, 4),  # capped by max_workers
-        (4, 2, 2, 4, 1, 4),
-        (5, 0, 0, 4, 1, 5),  # above the cap (asked for by hand): never shrunk by the policy
-        (1, 0, 1, 2, 0, 2),  # no reserve: a worker started for the room joins once ready, room or not
-        (1, 1, 0, 2, 0, 1),  # ... but not before
-        (2, 0, 2, 4, 1, 3),  # beyond the reserve: joins; the reserve waits for room
+        (2, 0, 1, 1, 4, 1, 2),  # no room beyond the pool: the pool stays a reserve
+        (2, 1, 0, 1, 4, 1, 2),  # room, but no warm worker yet: wait rather than join cold
+        (2, 1, 1, 1, 4, 1, 3),
+        (2, 3, 1, 1, 4, 1, 3),  # one ready worker, one join; the refilled pool brings the next
+        (2, 5, 5, 5, 4, 1, 4),  # capped by max_workers
+        (4, 2, 2, 2, 4, 1, 4),
+        (5, 0, 0, 1, 4, 1, 5),  # above the cap (asked for by hand): never shrunk by the policy
+        (1, 0, 1, 1, 2, 0, 2),  # no reserve: a worker started for the room joins once ready, room or not
+        (1, 1, 0, 1, 2, 0, 1),  # ... but not before
+        (2, 0, 2, 2, 4, 1, 3),  # beyond the reserve: joins; the reserve waits for room
+        (1, 0, 1, 2, 2, 1, 2),  # the room is taken by a worker starting beyond the reserve: it will be the reserve
     ],
 )
-def test_autoscale(world, free, ready, max_workers, warm_pool, expected):
-    assert autoscale(world, free, ready, max_workers, warm_pool) == expected
+def test_autoscale(world, free, ready, idle, max_workers, warm_pool, expected):
+    assert autoscale(world, free, ready, idle, max_workers, warm_pool) == expected
 
 
 @pytest.mark.parametrize(
@@ -71,6 +72,8 @@ def test_autoscale(world, free, ready, max_workers, warm_pool, expected):
         (1, 1, 0, 1, 0, 2, 1),  # ... it was started and holds its slot: still one, not another
         (2, 2, 3, 0, 0, 2, 0),  # at max_workers: nothing beyond
         (2, 2, 2, 1, 1, 8, 3),  # the reserve plus one per free slot
+        (1, 1, 0, 0, 0, 2, 1),  # no room yet: one waits as demand for a node, and starts there when it comes
+        (1, 1, 0, 1, 1, 2, 1),  # ... which the reserve is, when there is one
     ],
 )
 def test_pool_size(world, wanted, free, idle, warm_pool, max_workers, expected):
