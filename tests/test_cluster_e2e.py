@@ -180,3 +180,22 @@ def test_preemption_notice_moves_workers_off_the_node(cluster, data_dir, tmp_pat
     assert all(doomed not in m["joiner_nodes"] for m in later)
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in steps] == list(range(1, 251))
+
+
+def test_cluster_up_env_and_down_start_and_stop_exactly_one_head(tmp_path, monkeypatch, capsys):
+    """`etrain cluster up/env/down` (make cluster-up/-down): a head of its own, the variables its clients
+    need, and a stop that leaves none of its processes (and touches no other Ray)."""
+    from app import local_cluster
+    from app.cli import main
+
+    monkeypatch.setattr(local_cluster, "STATE", tmp_path / "cluster.json")
+    assert main(["cluster", "up", "--no-autoscaler"]) == 0
+    exports = capsys.readouterr().out
+    assert exports.startswith("export RAY_ADDRESS=127.0.0.1:") and "RAY_AUTH_MODE=token RAY_AUTH_TOKEN=" in exports
+    cluster = local_cluster.current()
+    assert cluster.processes() and oct((tmp_path / "cluster.json").stat().st_mode)[-3:] == "600"
+    assert main(["cluster", "up"]) == 2  # one at a time
+    assert "is running at" in capsys.readouterr().err
+    assert main(["cluster", "env"]) == 0 and capsys.readouterr().out == exports
+    assert main(["cluster", "down"]) == 0
+    assert not cluster.processes() and not (tmp_path / "cluster.json").exists()

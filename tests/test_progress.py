@@ -6,7 +6,7 @@ import re
 import time
 
 import pytest
-from runs import FAST
+from runs import FAST, start_driver
 
 from app.job import new_run_dir, train
 
@@ -28,3 +28,16 @@ def test_off_a_terminal_progress_is_one_line_per_interval(make_cfg, capsys):
     assert all(" loss " in line and "tokens/s" in line and "ETA" in line for line in lines)
     assert "ETA -" not in lines[-1] and "\r" not in err  # an ETA from the pace, and no bar redrawn into the log
     assert len([line for line in err.splitlines() if re.match(r"step \d+: eval loss", line)]) == 3  # events: lines of their own
+
+
+def test_a_recovery_shows_our_line_and_keeps_rays_noise_in_the_log(make_cfg, tmp_path):
+    """Issue 16, item 2: a recovered worker death printed Ray's raylet paragraph and "Unhandled error"
+    tracebacks ahead of the one-line `recover` message. The driver's terminal has our line; the log has Ray's."""
+    cfg = make_cfg(*FAST, "run.name=noise", "train.steps=40", "faults=[{rank: 1, step: 10, kind: kill}]")
+    driver = start_driver(cfg, tmp_path)
+    _, err = driver.communicate(timeout=180)
+    assert driver.returncode == 0, err
+    assert re.search(r"step 9: recover 2 -> \d workers", err), err
+    for noise in ("A worker died", "Unhandled error", "Traceback", "(raylet)"):
+        assert noise not in err, noise
+    assert "A worker died" in (tmp_path / "runs" / "noise" / "driver.log").read_text()
