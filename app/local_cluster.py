@@ -10,6 +10,7 @@ known by its temp directory or GCS port.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -111,8 +112,10 @@ class LocalCluster:
 
         marks = (self.temp_dir, f":{self.port}")
         found = []
-        for p in psutil.process_iter(["pid", "cmdline"]):
+        for p in psutil.process_iter(["pid", "cmdline", "status"]):
             try:
+                if p.info["status"] == psutil.STATUS_ZOMBIE:  # dead, waiting for its parent to reap it
+                    continue
                 cmdline = " ".join(p.info["cmdline"] or [])
                 if any(m in cmdline for m in marks) or (self.pid and os.getpgid(p.pid) == self.pid):
                     found.append(p)
@@ -141,6 +144,9 @@ class LocalCluster:
                 p.kill()
             except psutil.Error:
                 pass
+        if self.pid:
+            with contextlib.suppress(ChildProcessError):  # `ray start` is this process's child when it started it here
+                os.waitpid(self.pid, os.WNOHANG)
         self.pid = 0
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
