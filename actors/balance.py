@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from app.config import BalanceConfig
+from app.core.config import BalanceConfig
 
 
 @dataclass

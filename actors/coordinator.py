@@ -29,18 +29,18 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.balance import Balancer
-from actors.control import JobError, Observation, State, autoscale, next_state, pool_size, why
+from actors.control import JobError, Observation, State, autoscale, next_state, pool_size
+from actors.dashboard import Dashboard
 from actors.guards import NormWatch
 from actors.pool import WarmPool
 from actors.ps_mode import PSTraining
 from actors.saving import Saver
-from app.checkpoint import checkpoint_uri
-from app.config import Config
-from app.dashboard import Dashboard
-from app.flops import flops_per_token, mfu
-from app.lease import Keeper, Lease
-from app.metrics import append_jsonl, eta_s, truncate_after, write_json
-from app.report import summarize
+from app.core.checkpoint import checkpoint_uri
+from app.core.config import Config
+from app.core.errors import why
+from app.core.flops import flops_per_token, mfu
+from app.core.lease import Keeper, Lease
+from app.core.records import append_jsonl, eta_s, summarize, truncate_after, write_json
 from pipelines import order
 from pipelines.cache import ShardCache
 from pipelines.shards import read_manifest, row_sources

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import ray
 
-from app.config import Config
+from app.core.config import Config
 
 
 class WarmPool:

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from app.config import OptimConfig
-from app.optim import lr_factor, make_optimizer
+from app.core.config import OptimConfig
+from app.core.optim import lr_factor, make_optimizer
 
 
 def assign_shards(shapes: dict[str, tuple[int, ...]], num_shards: int) -> list[list[str]]:

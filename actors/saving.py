@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import ray
 
 from actors.control import JobError
-from app import checkpoint
-from app.config import Config
-from app.storage import STORAGE_ERRORS, describe
+from app.core import checkpoint
+from app.core.config import Config
+from app.core.storage import STORAGE_ERRORS, describe
 
 log = logging.getLogger(__name__)
 

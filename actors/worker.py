@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from actors import zero_state
 from actors.compress import GradSync
-from app.checkpoint import (
+from app.core.checkpoint import (
     LIGHT,
     deserialize,
     light_weights,
@@ -33,10 +33,10 @@ from app.checkpoint import (
     tensor_hash,
     write_part,
 )
-from app.config import Config
-from app.flops import peak_flops
-from app.model import GPT
-from app.optim import make_optimizer, make_param_groups, make_scheduler
+from app.core.config import Config
+from app.core.flops import peak_flops
+from app.core.model import GPT
+from app.core.optim import make_optimizer, make_param_groups, make_scheduler
 from pipelines.order import Layout, take
 from pipelines.shards import ShardReader
 from pipelines.stream import StreamingReader

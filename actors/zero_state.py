@@ -3,7 +3,7 @@
 `ZeroRedundancyOptimizer.consolidate_state_dict` funnels every shard through rank 0 (its memory
 and its link). Instead each rank writes `local_part` and rank 0 also writes `param_groups`; `merge`
 turns them into the ordinary `state_dict()` of a plain optimizer built over the same param groups
-(`app.optim.make_optimizer`). That state loads into a plain optimizer or a `ZeroRedundancyOptimizer`
+(`app.core.optim.make_optimizer`). That state loads into a plain optimizer or a `ZeroRedundancyOptimizer`
 at any world size, so the checkpoint does not depend on the world that wrote it.
 
 Global indices are those of a plain optimizer's `state_dict()`: parameters numbered in order across

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import ray
 
-from app.config import ConfigError, TimeoutConfig
 from app.connect import NAMESPACE, connect
+from app.core.config import ConfigError, TimeoutConfig
 
 CONNECT_S = TimeoutConfig().connect_s  # connecting and asking a coordinator: bounded, never a hang
 

@@ -16,7 +16,7 @@ import time
 import traceback
 from pathlib import Path
 
-from app.errors import Failure, UsageError
+from app.core.errors import Failure, UsageError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"etrain: interrupted{getattr(args, 'resume_hint', '')}", file=sys.stderr)
         return 130
     except Exception as e:  # a failure nobody named: its one line here, the details in the log
-        from actors.control import why
+        from app.core.errors import why
 
         path = _log_traceback(e, getattr(args, "log_file", None))
         print(f"etrain: error: {why(e)}\n(details: {path})", file=sys.stderr)
@@ -62,7 +62,7 @@ def _log_traceback(error: BaseException, path: Path | None) -> Path:
 
 
 def cmd_train(args, started_at: float) -> int:
-    from app.config import ConfigError, load_config
+    from app.core.config import ConfigError, load_config
     from app.job import durable, new_run_dir, train
 
     if args.resume and args.config:
@@ -100,7 +100,7 @@ def _logging_to(path: Path):
 
 
 def cmd_prepare(args, started_at: float) -> int:
-    from app.config import load_config
+    from app.core.config import load_config
     from app.job import connect
     from pipelines.prepare import open_output, prepare
 
@@ -155,7 +155,7 @@ def cmd_status(args, started_at: float) -> int:
 def _read_status(run: str) -> dict:
     path = Path(run) / "status.json"
     if path.is_file():
-        from app.metrics import read_json
+        from app.core.records import read_json
 
         st = read_json(path)
         st["updated_s_ago"] = time.time() - st["updated"]
@@ -244,8 +244,9 @@ def cmd_spot_watch(args, started_at: float) -> int:
 
 
 def cmd_tune(args, started_at: float) -> int:
-    from app.config import ConfigError, load_config
-    from tune.search import format_table, run_search
+    from app.core.config import ConfigError, load_config, override
+    from app.job import connect, resolve_data, train
+    from tune.search import check, format_table, run_search
     from tune.space import load_space
 
     if args.trials < 1 or args.concurrency < 1:
@@ -276,11 +277,16 @@ def cmd_tune(args, started_at: float) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "base.yaml").write_text(base.to_yaml())
         (out / "search.json").write_text(json.dumps(spec, indent=1) + "\n")
+    check(out, args.resume, spec["pruning"], base)
+    connect(base, jobs=spec["concurrency"])
+    if base.data.source == "embedded":  # built once, not per trial
+        base = override(base, {"data.source": resolve_data(base)})
     rows = run_search(
         base,
         space,
         spec["trials"],
         out,
+        train,
         concurrency=spec["concurrency"],
         seed=spec["seed"],
         sampler=spec["sampler"],
@@ -296,7 +302,7 @@ def cmd_tune(args, started_at: float) -> int:
 
 
 def cmd_config(args, started_at: float) -> int:
-    from app.config import load_config
+    from app.core.config import load_config
 
     cfg = load_config(args.config, args.set)
     print(cfg.to_yaml(), end="")
@@ -312,7 +318,7 @@ def cmd_config(args, started_at: float) -> int:
 
 
 def _resume_config(run_dir: Path, overrides: list[str]):
-    from app.config import RESUMABLE, ConfigError, load_config
+    from app.core.config import RESUMABLE, ConfigError, load_config
 
     saved = run_dir / "config.yaml"
     if not saved.is_file():

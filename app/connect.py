@@ -16,7 +16,7 @@ import socket
 
 import ray
 
-from app.config import ConfigError
+from app.core.config import ConfigError
 
 NAMESPACE = "etrain"
 RAY_LOG = logging.getLogger("etrain.ray")  # Ray's messages about the job's workers: the log file, not the terminal

@@ -22,13 +22,14 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from actors.control import JobError, why
+from actors.control import JobError
 from actors.coordinator import Coordinator
 from app import connect as cluster
-from app.checkpoint import checkpoint_uri
-from app.config import Config, ConfigError, override
 from app.connect import NAMESPACE
-from app.lease import acquire, release
+from app.core.checkpoint import checkpoint_uri
+from app.core.config import Config, ConfigError, override
+from app.core.errors import why
+from app.core.lease import acquire, release
 from app.progress import Progress
 from pipelines.embedded import ensure_corpus
 from pipelines.shards import training_manifest

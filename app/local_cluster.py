@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from app.errors import Failure, UsageError
+from app.core.errors import Failure, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE = Path.home() / ".cache" / "etrain" / "cluster.json"  # the head `etrain cluster up` started

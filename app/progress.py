@@ -13,7 +13,7 @@ import sys
 import time
 from collections import deque
 
-from app.metrics import eta_s
+from app.core.records import eta_s
 
 PACE_STEPS = 20  # the ETA's pace: the last this many steps
 

@@ -6,41 +6,17 @@ from __future__ import annotations
 import base64
 import html
 import math
-import time
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from app.config import Config, ConfigError
-from app.metrics import read_jsonl
+from app.core.config import ConfigError
+from app.core.records import read_jsonl, steady_tokens_per_s
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-
-
-def summarize(metrics_path: Path, cfg: Config, started_at: float, first_step_at: float | None) -> dict:
-    records = read_jsonl(metrics_path)
-    # A step committed by survivors of a lost worker has no complete loss: it counts, but is not averaged.
-    steps = [r for r in records if r["kind"] == "train"]
-    train = [r for r in steps if r.get("loss") is not None]
-    evals = [r for r in records if r["kind"] == "eval"]
-    steady = train[1:] or train  # the first step pays for warm-up (allocations, gloo buffers)
-    seq = cfg.model.seq_len
-    return {
-        "steps": steps[-1]["step"] if steps else 0,
-        "samples": steps[-1]["samples"] if steps else 0,
-        "tokens": (steps[-1]["samples"] if steps else 0) * seq,
-        "first_loss": train[0]["loss"] if train else None,
-        "final_loss": train[-1]["loss"] if train else None,
-        "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
-        "tokens_per_s": seq * sum(r["batch"] for r in steady) / sum(r["step_time_s"] for r in steady) if steady else None,
-        "wall_s": time.time() - started_at,
-        "startup_s": first_step_at - started_at if first_step_at else None,
-        "world_size": steps[-1]["world_size"] if steps else cfg.cluster.num_workers,
-        "config_hash": cfg.hash(),
-    }
 
 
 REASON_COLORS = {"start": "tab:gray", "scale-out": "tab:green", "scale-in": "tab:orange", "recover": "tab:red", "preemption": "tab:purple"}
@@ -269,14 +245,14 @@ def _time_mean(records: list[dict], key: str) -> float | None:
 def _summary(records: list[dict]) -> dict:
     train = _of(records, "train")
     done = [r for r in train if r.get("loss") is not None]
-    steady = done[1:] or done  # as summarize: the first step pays for warm-up
+    steady = done[1:] or done  # the first step pays for warm-up
     evals = [r for r in _of(records, "eval") if r.get("eval_loss") is not None]
     changes = Counter(r.get("reason") for r in _of(records, "membership"))
     return {
         "steps": train[-1]["step"],
         "final_loss": done[-1]["loss"] if done else None,
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
-        "mean_tokens_per_s": _time_mean(steady, "tokens_per_s"),
+        "mean_tokens_per_s": steady_tokens_per_s(train),
         "mean_mfu": _time_mean(steady, "mfu"),
         "membership": dict(changes),
         "checkpoints": len(_of(records, "checkpoint")),

@@ -23,9 +23,9 @@ from pathlib import Path
 import ray
 
 from actors.control import JobError
-from app.config import load_config
+from app.core.config import load_config
+from app.core.records import read_jsonl
 from app.job import new_run_dir, train
-from app.metrics import read_jsonl
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = ["model.n_layer=8", "model.n_head=8", "model.d_model=512", "model.seq_len=64", "train.global_batch=2", "train.micro_batch=1"]

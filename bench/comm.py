@@ -21,9 +21,9 @@ from pathlib import Path
 
 import ray
 
-from app.config import load_config
+from app.core.config import load_config
+from app.core.records import read_jsonl
 from app.job import new_run_dir, train
-from app.metrics import read_jsonl
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SLOW = "faults=[{rank: 1, step: 2, kind: slow, factor: 2}]"

@@ -145,9 +145,9 @@ def read_ray_data(manifest: str) -> dict:
 
 
 def train_wait_share(bucket: str, tmp: Path) -> dict:
-    from app.config import load_config
+    from app.core.config import load_config
+    from app.core.records import read_jsonl
     from app.job import new_run_dir, train
-    from app.metrics import read_jsonl
     from pipelines.embedded import ensure_corpus
 
     base = [f"data.cache_dir={tmp / 'corpus'}", "data.shard_bytes=200000", "data.corpus_bytes=2000000"]

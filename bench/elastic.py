@@ -64,9 +64,9 @@ def ray_train_loop(config: dict) -> None:
     import ray.train.torch
     import torch
 
-    from app.config import Config
-    from app.model import GPT
-    from app.optim import make_optimizer, make_scheduler
+    from app.core.config import Config
+    from app.core.model import GPT
+    from app.core.optim import make_optimizer, make_scheduler
     from bench.throughput import ray_train_step
     from pipelines import order
     from pipelines.shards import ShardReader, read_manifest
@@ -115,7 +115,7 @@ def run_ray_train(args) -> dict:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from app.config import load_config
+    from app.core.config import load_config
     from pipelines.embedded import ensure_corpus
 
     cfg = load_config("tiny", overrides(args))
@@ -148,9 +148,9 @@ def run_ray_train(args) -> dict:
 
 
 def run_ours(args) -> dict:
-    from app.config import load_config
+    from app.core.config import load_config
+    from app.core.records import read_jsonl
     from app.job import new_run_dir, train
-    from app.metrics import read_jsonl
 
     fault = f"faults=[{{rank: 1, step: {args.kill_at}, kind: kill}}]"
     cfg = load_config("tiny", [*overrides(args), "cluster.warm_pool=1", fault, f"run.root={tempfile.mkdtemp(prefix='ours-')}"])
@@ -210,7 +210,7 @@ def run_ray_train_grow(args) -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from app.config import load_config
+    from app.core.config import load_config
     from pipelines.embedded import ensure_corpus
 
     cfg = load_config("tiny", [*overrides(args), "train.steps=100000"])
@@ -244,9 +244,9 @@ def run_ray_train_grow(args) -> dict:
 def run_ours_grow(args) -> dict:
     import ray
 
-    from app.config import load_config
+    from app.core.config import load_config
+    from app.core.records import read_jsonl
     from app.job import new_run_dir, train
-    from app.metrics import read_jsonl
 
     cfg = load_config(
         "tiny",

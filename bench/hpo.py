@@ -19,7 +19,8 @@ from pathlib import Path
 
 import ray
 
-from app.config import load_config
+from app.core.config import load_config, override
+from app.job import resolve_data, train
 from tune.search import run_search
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     space = {k: parameter(k, v, base) for k, v in SPACE.items()}
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=max(4, args.concurrency * 2), include_dashboard=False, logging_level="warning")
+    base = override(base, {"data.source": resolve_data(base)})
     runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="etrain-bench-hpo-") as tmp:
         for seed in range(args.seeds):
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
                     space,
                     args.trials,
                     Path(tmp) / f"{name}-{seed}",
+                    train,
                     concurrency=args.concurrency,
                     seed=seed,
                     sampler=sampler,

@@ -65,9 +65,9 @@ def run_plain(args) -> list[float]:
     import numpy as np
     import torch
 
-    from app.config import load_config
-    from app.model import GPT
-    from app.optim import make_optimizer, make_scheduler
+    from app.core.config import load_config
+    from app.core.model import GPT
+    from app.core.optim import make_optimizer, make_scheduler
     from pipelines import order
     from pipelines.embedded import ensure_corpus
     from pipelines.shards import ShardReader
@@ -100,9 +100,9 @@ def ray_train_loop(config: dict) -> None:
     import ray.train.torch
     import torch
 
-    from app.config import Config
-    from app.model import GPT
-    from app.optim import make_optimizer, make_scheduler
+    from app.core.config import Config
+    from app.core.model import GPT
+    from app.core.optim import make_optimizer, make_scheduler
     from pipelines.shards import ShardReader
 
     cfg = Config.model_validate(config["cfg"])
@@ -145,7 +145,7 @@ def run_ray_train(args) -> list[float]:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from app.config import load_config
+    from app.core.config import load_config
     from pipelines.embedded import ensure_corpus
 
     cfg = load_config("tiny", overrides(args, args.workers, args.cpus))
@@ -163,9 +163,9 @@ def run_ray_train(args) -> list[float]:
 
 
 def run_ours(args) -> list[float]:
-    from app.config import load_config
+    from app.core.config import load_config
+    from app.core.records import read_jsonl
     from app.job import new_run_dir, train
-    from app.metrics import read_jsonl
 
     cfg = load_config("tiny", [*overrides(args, args.workers, args.cpus), f"run.root={tempfile.mkdtemp(prefix='ours-')}"])
     run_dir = new_run_dir(cfg)

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import fsspec
 
-from app.lease import pid_alive
-from app.storage import STORAGE_ERRORS, describe
+from app.core.lease import pid_alive
+from app.core.storage import STORAGE_ERRORS, describe
 from pipelines import order
 from pipelines.shards import ShardError, read_manifest
 

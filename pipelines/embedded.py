@@ -24,7 +24,7 @@ import fsspec
 import numpy as np
 from tqdm import tqdm
 
-from app.config import Config
+from app.core.config import Config
 from pipelines import tokenizer
 from pipelines.shards import SplitWriter, pack_rows, write_manifest
 

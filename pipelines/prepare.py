@@ -29,8 +29,8 @@ import pyarrow.parquet as pq
 import ray
 from tqdm import tqdm
 
-from app.config import Config, ConfigError, PrepareConfig
-from app.storage import STORAGE_ERRORS, StorageError, describe
+from app.core.config import Config, ConfigError, PrepareConfig
+from app.core.storage import STORAGE_ERRORS, StorageError, describe
 from pipelines import dedup, quality, tokenizer
 from pipelines.shards import SplitWriter, pack_rows, write_manifest
 

@@ -12,7 +12,7 @@ import re
 import unicodedata
 from collections import Counter
 
-from app.config import PrepareConfig
+from app.core.config import PrepareConfig
 
 _SPACES = re.compile(r"[ \t\u00a0\u2000-\u200b\u3000]+")
 _BLANK_RUNS = re.compile(r"\n{3,}")

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from app.errors import UsageError
+from app.core.errors import UsageError
 
 FORMAT = "etrain.shards/1"
 

@@ -9,7 +9,7 @@ import pytest
 import ray
 from faults import S3Faults
 
-from app.config import Config, load_config
+from app.core.config import Config, load_config
 
 
 @pytest.fixture(scope="session")

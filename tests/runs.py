@@ -12,8 +12,8 @@ from pathlib import Path
 import ray
 
 from app.cli import main
+from app.core.records import read_jsonl
 from app.job import new_run_dir, train
-from app.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 

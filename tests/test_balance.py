@@ -3,7 +3,7 @@
 import pytest
 
 from actors.balance import Balancer
-from app.config import BalanceConfig
+from app.core.config import BalanceConfig
 from pipelines import order
 
 

@@ -7,7 +7,7 @@ import fsspec
 import pytest
 import torch
 
-from app import checkpoint
+from app.core import checkpoint
 
 
 def parts(value: float) -> dict:

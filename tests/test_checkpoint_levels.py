@@ -11,9 +11,9 @@ from faults import immutable
 from runs import FAST, records
 
 from actors.control import JobError
-from app import checkpoint
+from app.core import checkpoint
+from app.core.storage import StorageError
 from app.job import new_run_dir, train
-from app.storage import StorageError
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from app.core.records import read_jsonl
 from app.local_cluster import LocalCluster
-from app.metrics import read_jsonl
 
 STATUS = "import json, sys; from app import api; print(json.dumps(api.status(sys.argv[1])))"
 

@@ -12,11 +12,11 @@ from runs import records, run, run_scaled
 from test_training import form_group
 
 from actors.worker import _assemble, spawn
-from app import checkpoint
-from app.checkpoint import deserialize, load_latest
+from app.core import checkpoint
+from app.core.checkpoint import deserialize, load_latest
+from app.core.model import GPT
+from app.core.optim import lr_factor
 from app.job import train
-from app.model import GPT
-from app.optim import lr_factor
 from pipelines.embedded import ensure_corpus
 
 pytestmark = pytest.mark.usefixtures("ray_session")

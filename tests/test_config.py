@@ -1,7 +1,7 @@
 import pytest
 
 from app.cli import main
-from app.config import PRESET_DIR, ConfigError, load_config
+from app.core.config import PRESET_DIR, ConfigError, load_config
 
 
 def test_presets_all_validate():
@@ -101,7 +101,7 @@ def test_config_states_the_models_memory_and_warns_beyond_this_machine(capsys):
 
 
 def test_param_count_matches_the_model():
-    from app.model import GPT
+    from app.core.model import GPT
 
     for overrides in ([], ["model.positions=learned", "model.tie_weights=false"], ["model.n_layer=3", "model.d_model=96", "model.n_head=3"]):
         cfg = load_config("tiny", overrides)

@@ -13,8 +13,8 @@ from runs import FAST, records, run, run_scaled
 
 from app import api
 from app.cli import main
+from app.core.optim import lr_factor
 from app.job import new_run_dir, train
-from app.optim import lr_factor
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

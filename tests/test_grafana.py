@@ -28,7 +28,7 @@ CONSTRUCT = """
 import json
 import ray
 from ray.util.metrics import Metric
-from app.dashboard import Dashboard
+from actors.dashboard import Dashboard
 
 def walk(value):
     if isinstance(value, Metric):

@@ -11,8 +11,8 @@ from runs import FAST, records, run
 
 from actors.control import JobError
 from actors.guards import NormWatch
+from app.core.optim import lr_factor
 from app.job import train
-from app.optim import lr_factor
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

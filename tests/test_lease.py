@@ -10,7 +10,7 @@ import time
 import fsspec
 import pytest
 
-from app import lease
+from app.core import lease
 
 
 @pytest.fixture(params=["local", "s3"])

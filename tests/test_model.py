@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from app.config import load_config
-from app.model import GPT
+from app.core.config import load_config
+from app.core.model import GPT
 
 
 @pytest.mark.parametrize("positions", ["rotary", "learned"])

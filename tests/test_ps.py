@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from actors.ps import ParamShard, assign_shards
-from app.config import OptimConfig
-from app.optim import make_scheduler
+from app.core.config import OptimConfig
+from app.core.optim import make_scheduler
 
 OPTIM = {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "weight_decay": 0.1}
 SHAPES = {

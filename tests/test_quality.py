@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from app.config import load_config
+from app.core.config import load_config
 from pipelines import dedup, quality
 
 CFG = load_config("tiny").prepare

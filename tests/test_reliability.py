@@ -21,8 +21,8 @@ from runs import FAST, ROOT, records, run, start_driver, wait_for_step
 from actors.control import JobError
 from actors.coordinator import Coordinator
 from actors.worker import spawn
-from app import checkpoint, lease
 from app.cli import main
+from app.core import checkpoint, lease
 from app.job import new_run_dir, train
 from pipelines.embedded import ensure_corpus
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.config import ConfigError
+from app.core.config import ConfigError
 from app.report import write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -142,7 +142,7 @@ def test_report_errors_name_the_path(tmp_path, case):
 
 
 def test_report_leaves_matplotlib_to_whoever_makes_one(tmp_path):
-    """The coordinator imports app.report for summarize: no matplotlib there, and no pyplot (no backend switch) at all."""
+    """Making a report needs matplotlib, importing app.report does not; and no pyplot (no backend switch) at all."""
     run = _run(tmp_path)
     code = (
         "import sys; from app.report import write_report; assert 'matplotlib' not in sys.modules; "

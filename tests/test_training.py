@@ -11,10 +11,10 @@ import ray
 import torch
 
 from actors.worker import spawn
-from app import checkpoint
+from app.core import checkpoint
+from app.core.model import GPT
+from app.core.records import read_jsonl
 from app.job import new_run_dir, train
-from app.metrics import read_jsonl
-from app.model import GPT
 from pipelines import order
 from pipelines.cache import ShardCache
 from pipelines.embedded import ensure_corpus

@@ -15,8 +15,8 @@ import pytest
 import ray
 
 from app.cli import main
-from app.config import ConfigError, load_config
-from app.metrics import read_jsonl
+from app.core.config import ConfigError, load_config
+from app.core.records import read_jsonl
 from tune.space import load_space
 
 ROOT = Path(__file__).resolve().parents[1]

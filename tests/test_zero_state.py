@@ -19,9 +19,9 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from actors.zero_state import local_part, merge, param_groups
-from app.config import load_config
-from app.model import GPT
-from app.optim import make_optimizer, make_param_groups, make_scheduler
+from app.core.config import load_config
+from app.core.model import GPT
+from app.core.optim import make_optimizer, make_param_groups, make_scheduler
 
 WORLD = 2
 STEPS = 3  # before the state is saved; then one more

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -22,11 +23,10 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.optuna import OptunaSearch
 from tqdm.auto import tqdm  # a widget in a notebook
 
-from actors.control import why
-from app import checkpoint
-from app.config import Config, ConfigError, override
-from app.job import connect, resolve_data, train
-from app.metrics import read_jsonl
+from app.core import checkpoint
+from app.core.config import Config, ConfigError, override
+from app.core.errors import why
+from app.core.records import read_jsonl
 
 METRIC = "eval_loss"
 
@@ -36,6 +36,7 @@ def run_search(
     space: dict,
     trials: int,
     out: Path,
+    train: Callable[..., dict],
     concurrency: int = 1,
     seed: int = 0,
     sampler: str = "tpe",
@@ -44,20 +45,13 @@ def run_search(
     max_failures: int = 1,
     progress: bool = True,
 ) -> list[dict]:
-    """Run (or resume) a search; the trials' rows, best first. Writes OUT/trials.json and OUT/best.yaml."""
+    """Run (or resume) a search of `train` (app.job.train: one training run) over `space`; the trials' rows,
+    best first. Writes OUT/trials.json and OUT/best.yaml. Ray is connected, and base's data ready, by the caller."""
     out = Path(out).expanduser().resolve()  # Tune runs each trial in its own working directory
+    check(out, resume, pruning, base)
     study = out / "study"
-    if resume and not tune.Tuner.can_restore(str(study)):
-        raise ConfigError(f"no search to resume under {out} (no {study}/tuner.pkl); start one without --resume")
-    if resume:
-        check_trusted(out)
-    if not resume and study.exists():
-        raise ConfigError(f"{out} already holds a search; continue it with --resume, or choose another --out")
-    if pruning and base.train.eval_every == 0:
-        raise ConfigError("early stopping (ASHA) judges trials by their evaluations: set train.eval_every > 0, or pass --no-pruning")
-    connect(base, jobs=concurrency)
-    base = override(base, {"data.source": resolve_data(base)}) if base.data.source == "embedded" else base  # built once, not per trial
-    trainable = tune.with_resources(tune.with_parameters(_trial, base=base.model_dump(), root=str(out / "trials")), _resources(base))
+    trainable = tune.with_parameters(_trial, base=base.model_dump(), root=str(out / "trials"), train=train)
+    trainable = tune.with_resources(trainable, _resources(base))
     if resume:
         tuner = tune.Tuner.restore(str(study), trainable, resume_unfinished=True, resume_errored=False, restart_errored=False)
     else:
@@ -79,6 +73,19 @@ def run_search(
     if best is not None:
         (out / "best.yaml").write_text(override(base, {**best["params"], "run.name": None}).to_yaml())
     return rows
+
+
+def check(out: Path, resume: bool, pruning: bool, base: Config) -> None:
+    """What a search needs, checked before Ray starts: a study to resume (one we can trust), or none in the way."""
+    study = Path(out) / "study"
+    if resume and not tune.Tuner.can_restore(str(study)):
+        raise ConfigError(f"no search to resume under {out} (no {study}/tuner.pkl); start one without --resume")
+    if resume:
+        check_trusted(Path(out))
+    if not resume and study.exists():
+        raise ConfigError(f"{out} already holds a search; continue it with --resume, or choose another --out")
+    if pruning and base.train.eval_every == 0:
+        raise ConfigError("early stopping (ASHA) judges trials by their evaluations: set train.eval_every > 0, or pass --no-pruning")
 
 
 def check_trusted(out: Path) -> None:
@@ -114,7 +121,7 @@ def _resources(base: Config) -> tune.PlacementGroupFactory:
     return tune.PlacementGroupFactory([{"CPU": 0.01}] + [worker] * c.num_workers, strategy="PACK")
 
 
-def _trial(params: dict, base: dict, root: str) -> None:
+def _trial(params: dict, base: dict, root: str, train: Callable[..., dict]) -> None:
     """One training run with the trial's parameters; reports each evaluation. A retried or resumed
     trial continues from its run's last checkpoint."""
     trial_id = tune.get_context().get_trial_id()

@@ -19,7 +19,7 @@ from typing import Any
 import optuna.distributions as dist
 import yaml
 
-from app.config import Config, ConfigError, override
+from app.core.config import Config, ConfigError, override
 
 KINDS = ("loguniform", "uniform", "int", "choice")
 FIXED = {"train.steps": "it is each trial's budget (the early-stopping scheduler's time axis); set it in --config"}

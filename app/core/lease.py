@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import fsspec
 
-from app.config import ConfigError
-from app.storage import STORAGE_ERRORS, StorageError, describe
+from app.core.config import ConfigError
+from app.core.storage import STORAGE_ERRORS, StorageError, describe
 
 log = logging.getLogger(__name__)
 

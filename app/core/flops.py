@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from app.config import ModelConfig
+from app.core.config import ModelConfig
 
 # Dense (no sparsity) peak TFLOP/s by device name and training dtype, from NVIDIA's data sheets. fp32 is
 # plain fp32: torch does not use TF32 for matmuls unless told to.

@@ -8,7 +8,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from app.config import OptimConfig
+from app.core.config import OptimConfig
 
 
 def make_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:

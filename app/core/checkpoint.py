@@ -29,7 +29,7 @@ from pathlib import Path
 
 import fsspec
 
-from app.storage import STORAGE_ERRORS, describe
+from app.core.storage import STORAGE_ERRORS, describe
 
 log = logging.getLogger(__name__)
 

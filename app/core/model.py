@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.config import ModelConfig
+from app.core.config import ModelConfig
 
 
 class Rotary(nn.Module):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from botocore.exceptions import BotoCoreError
 
-from app.errors import Failure
+from app.core.errors import Failure
 
 STORAGE_ERRORS: tuple[type[BaseException], ...] = (OSError, BotoCoreError)
 

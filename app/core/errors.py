@@ -10,3 +10,14 @@ class UsageError(ValueError):
 
 class Failure(RuntimeError):
     """The work could not be done (training, storage); the message says why and what to do. Exit code 1."""
+
+
+def why(error: BaseException) -> str:
+    """A failure in one line: the failing exception's own last line, not Ray's wrapper around it (an
+    actor that died in its constructor carries the constructor's exception in its message)."""
+    cause = getattr(error, "cause", None) or error
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    if getattr(cause, "actor_init_failed", False):
+        return last[:300]
+    return f"{type(cause).__name__}: {last}"[:300]

@@ -16,9 +16,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from app.errors import UsageError
+from app.core.errors import UsageError
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 # What a resume may change: how, where and how long a run goes on (and how gradients travel); never the
 # model, data or optimizer.
@@ -67,7 +67,7 @@ class ModelConfig(Section):
     tie_weights: bool = Field(True, description="share input embedding and output head")
 
     def param_count(self) -> int:
-        """Parameters of app.model.GPT with this config, by arithmetic (no torch): embeddings, 12·d² + 4·d per
+        """Parameters of app.core.model.GPT with this config, by arithmetic (no torch): embeddings, 12·d² + 4·d per
         block (attention 4·d², MLP 8·d², two LayerNorms), the final LayerNorm, the head unless tied."""
         d = self.d_model
         return (
