@@ -8,6 +8,7 @@ the last take, and when the last bucket was ready (≈ local backward done).
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,7 @@ class GradSync:
         self._comm = self._dense = 0
         self._last_ready: float | None = None
         self._one_thread: ThreadPoolExecutor | None = None  # see _in_order
+        self.die_in_allreduce = False  # a fault (actors/faults.py): exit once the first bucket is on its way
 
     def register(self, ddp: DDP) -> None:
         """Install the hook on a new DDP; call once per DDP, before its first backward."""
@@ -77,7 +79,10 @@ class GradSync:
                 self._comm += sent
                 self._dense += bucket.buffer().nbytes
                 self._last_ready = time.perf_counter()
-            return hook(state, bucket)
+            future = hook(state, bucket)
+            if self.die_in_allreduce:  # the collective has started: peers are mid-all-reduce with this rank
+                os._exit(1)
+            return future
 
         return counted_hook
 

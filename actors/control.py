@@ -22,6 +22,7 @@ class State(str, enum.Enum):
     RUNNING = "running"  # the next step runs at the current membership
     RESIZING = "resizing"  # a step boundary where workers join or leave
     RECOVERING = "recovering"  # a step failed: replace the lost workers, re-form, redo the step
+    EVALUATING = "evaluating"  # the held-out loss of the weights just committed
     CHECKPOINTING = "checkpointing"
     FINISHED = "finished"
     FAILED = "failed"
@@ -38,6 +39,7 @@ class Observation:
     lost: int = 0  # workers lost in the last step
     recoveries: int = 0  # recoveries so far
     max_recoveries: int = 3
+    evaluation_due: bool = False
     checkpoint_due: bool = False
     evict: int = 0  # members on nodes being drained (a preemption notice): they leave at this boundary
 
@@ -47,6 +49,8 @@ def next_state(state: State, obs: Observation) -> State:
         return state
     if obs.lost:
         return State.RECOVERING if obs.recoveries < obs.max_recoveries else State.FAILED
+    if obs.evaluation_due:
+        return State.EVALUATING
     if obs.checkpoint_due:
         return State.CHECKPOINTING
     if obs.step >= obs.total_steps:
@@ -54,6 +58,12 @@ def next_state(state: State, obs: Observation) -> State:
     if obs.target != obs.world or obs.evict:
         return State.RESIZING
     return State.RUNNING
+
+
+def due(step: int, every: int, total: int) -> bool:
+    """Whether a periodic act (an evaluation, a full checkpoint) is due after `step`: every `every`
+    steps (0: never), and always after the last step."""
+    return step == total or (every > 0 and step % every == 0)
 
 
 def autoscale(world: int, free_slots: int, ready: int, idle: int, max_workers: int, warm_pool: int) -> int:

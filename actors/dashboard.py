@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
-STEP_PARTS = ("compute", "communication", "data_wait", "other", "checkpoint_stall")
+from app.core.records import STEP_PARTS
 
 
 class Dashboard:

@@ -10,7 +10,10 @@ decisions.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+from actors.control import JobError
+from app.core.config import TrainConfig
 
 
 @dataclass
@@ -47,3 +50,44 @@ class NormWatch:
 
     def state(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class Guards:
+    """The stability guards of a run: the outlier guard's statistics, and the lr scale that each rollback
+    after a non-finite gradient halves, a bounded number of times. All of it travels in checkpoints."""
+
+    cfg: TrainConfig
+    norms: NormWatch = field(default_factory=NormWatch)
+    lr_scale: float = 1.0
+    nan_rollbacks: int = 0
+
+    def limit(self) -> float:
+        return self.norms.limit(self.cfg.outlier_sigmas, self.cfg.outlier_warmup)
+
+    def accept(self, grad_norm: float) -> None:
+        if math.isfinite(grad_norm):  # fp16: an overflow the scaler skipped says nothing
+            self.norms.add(grad_norm)
+
+    def reject(self) -> bool:
+        """An outlier was skipped; True when the guard started over (a new regime)."""
+        return self.norms.reject(self.cfg.outlier_patience)
+
+    def diverged(self, step: int, resume_hint: str) -> None:
+        """A non-finite gradient at `step`: halve the lr for the rollback, or fail after train.max_nan_rollbacks."""
+        self.nan_rollbacks += 1
+        if self.nan_rollbacks > self.cfg.max_nan_rollbacks:
+            raise JobError(
+                f"the gradient at step {step} is not finite after {self.cfg.max_nan_rollbacks} rollbacks "
+                f"(train.max_nan_rollbacks), each halving the lr; lower optim.lr or check the data, then {resume_hint}"
+            )
+        self.lr_scale /= 2
+
+    def state(self) -> dict:
+        return {"lr_scale": self.lr_scale, "norms": self.norms.state()}
+
+    def load(self, meta: dict, resume: bool) -> None:
+        """A checkpoint's guards; a rollback keeps the lr it has halved since."""
+        if resume:
+            self.lr_scale = meta.get("lr_scale", 1.0)
+        self.norms = NormWatch(**meta.get("norms", {}))

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from actors import zero_state
+from actors import faults, zero_state
 from actors.compress import GradSync
+from actors.step import StepReport
 from app.core.checkpoint import (
     LIGHT,
     deserialize,
@@ -172,7 +173,7 @@ class TrainWorker:
 
     def train_step(
         self, step: int, ids: np.ndarray, global_batch: int, cursor: int, fault: dict | None = None, lr_scale: float = 1.0, max_norm: float = math.inf
-    ) -> dict:
+    ) -> StepReport:
         """This worker's share of one optimizer step: forward/backward with the gradient sync
         overlapping it, then clip and update.
 
@@ -181,7 +182,7 @@ class TrainWorker:
         update on the whole global batch for any split.
         """
         started = time.perf_counter()
-        self._inject(fault)
+        faults.apply(fault, self)
         torch.manual_seed(step_seed(self.cfg.train.seed, step, self.rank))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -201,22 +202,22 @@ class TrainWorker:
         finite = math.isfinite(grad_norm) or self.scaler.is_enabled()  # fp16: the scaler skips overflowing steps itself
         if finite:
             self.applied = step + 1
-        return {
-            "finite": finite,
-            "skipped": math.isfinite(grad_norm) and grad_norm > max_norm,
-            "loss": loss_sum,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "samples": len(ids),
-            "compute_s": compute_s,
-            "comm_s": synced - computing - compute_s,
-            "worker_s": time.perf_counter() - started,
-            "comm_bytes": sync.get("comm_bytes", 0),
-            "dense_bytes": sync.get("dense_bytes", 0),
-            "optimizer_bytes": self.optimizer_bytes(),
-            "data": data,
-            "saving": self._saving is not None and not self._saving.done(),
-        }
+        return StepReport(
+            finite=finite,
+            skipped=math.isfinite(grad_norm) and grad_norm > max_norm,
+            loss=loss_sum,
+            grad_norm=grad_norm,
+            lr=lr,
+            samples=len(ids),
+            compute_s=compute_s,
+            communication_s=synced - computing - compute_s,
+            worker_s=time.perf_counter() - started,
+            comm_bytes=sync.get("comm_bytes", 0),
+            dense_bytes=sync.get("dense_bytes", 0),
+            optimizer_bytes=self.optimizer_bytes(),
+            data=data,
+            saving=self._saving is not None and not self._saving.done(),
+        )
 
     def _forward_backward(self, rows: torch.Tensor, divisor: float) -> float:
         """Micro-batches accumulate; only the last one's backward syncs, bucket by bucket as it goes."""
@@ -264,21 +265,6 @@ class TrainWorker:
         self.scheduler.step()
         return grad_norm, lr
 
-    def _inject(self, fault: dict | None) -> None:
-        """Failure injection (config `faults`): die like a lost node, hang like a stuck one, or slow down."""
-        if not fault:
-            return
-        if fault["kind"] == "slow":
-            self.slowdown = fault["factor"]
-        elif fault["kind"] == "kill":
-            os._exit(1)
-        elif fault["kind"] == "hang":
-            time.sleep(10**6)
-        elif fault["kind"] == "nan":
-            self.poisoned = float("nan")
-        elif fault["kind"] == "spike":
-            self.poisoned = fault["factor"]
-
     # -- parameter-server mode (actors/ps_mode.py) -------------------------------------
 
     def ps_attach(self, shards: list, names: list[list[str]], index: int) -> None:
@@ -301,7 +287,7 @@ class TrainWorker:
     def ps_step(self, step: int, ids: np.ndarray, cursor: int, fault: dict | None = None) -> dict:
         """Pull, compute the gradient of `ids`, push it; return once an update holds it."""
         started = time.perf_counter()
-        self._inject(fault)
+        faults.apply(fault, self)
         torch.manual_seed(step_seed(self.cfg.train.seed, step, self.rank))
         self.ps_pull()
         self.model.train()

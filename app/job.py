@@ -119,7 +119,7 @@ def _run(cfg: Config, run_dir: Path, resume: bool, started_at: float, progress: 
         connect(cfg)
         check_memory(cfg)
         workers = worker_module.result().spawn(cfg, manifest, cfg.cluster.num_workers)
-    _wait_for_name(f"etrain:{run_dir.name}")
+    _wait_for_name(f"etrain:{run_dir.name}", cfg.timeouts.close_s)
     coordinator = ray.remote(Coordinator).options(name=f"etrain:{run_dir.name}", num_cpus=0, max_concurrency=4, scheduling_strategy=_beside_driver())
     coordinator = coordinator.remote(cfg.model_dump(), str(run_dir), manifest, started_at, workers, lease)
     try:
@@ -158,7 +158,7 @@ def _resumed(e: dict) -> str:
     return said
 
 
-def _wait_for_name(name: str, timeout_s: float = 30) -> None:
+def _wait_for_name(name: str, timeout_s: float) -> None:
     """A run resumed right after its driver was killed: Ray is still removing the old coordinator.
     One that outlives the wait is a live run of the same name, and two must not write one directory."""
     deadline = time.monotonic() + timeout_s

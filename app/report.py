@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from app.core.config import ConfigError
-from app.core.records import read_jsonl, steady_tokens_per_s
+from app.core.records import STEP_PARTS, read_jsonl, steady_tokens_per_s
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
 REASON_COLORS = {"start": "tab:gray", "scale-out": "tab:green", "scale-in": "tab:orange", "recover": "tab:red", "preemption": "tab:purple"}
-SPLIT = ("compute_s", "communication_s", "data_wait_s", "other_s")  # they sum to step_time_s
+SPLIT = tuple(f"{part}_s" for part in STEP_PARTS if part != "checkpoint_stall")  # they sum to step_time_s (the stall came before)
 
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> dict:

@@ -1,8 +1,8 @@
-"""`configs/grafana/etrain.json` against the metrics `app/dashboard.py` publishes: no Ray cluster needed.
+"""`configs/grafana/etrain.json` against the metrics `actors/dashboard.py` publishes: no Ray cluster needed.
 
 The published metrics are read two ways: by constructing `Dashboard("t")` in a
 child process (`ray.util.metrics` objects can be built without `ray.init`, and the child keeps
-them out of this test session's process), and by parsing `app/dashboard.py` with `ast`, which
+them out of this test session's process), and by parsing `actors/dashboard.py` with `ast`, which
 also sees metrics created outside `__init__`. Prometheus names follow Ray's exporter: a `ray_`
 prefix, `_total` on Counters, `_bucket`/`_count`/`_sum` on Histograms.
 """
@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD_JSON = ROOT / "configs" / "grafana" / "etrain.json"
-DASHBOARD_PY = ROOT / "app" / "dashboard.py"
+DASHBOARD_PY = ROOT / "actors" / "dashboard.py"
 KINDS = ("Gauge", "Counter", "Histogram")
 METRIC = re.compile(r"\bray_etrain_\w+")
 
@@ -84,7 +84,7 @@ def series(every_metric) -> dict[str, tuple[str, tuple[str, ...] | None]]:
 
 
 def parsed_metric_names() -> dict[str, str]:
-    """metric name -> kind, for every Gauge/Counter/Histogram call in app/dashboard.py.
+    """metric name -> kind, for every Gauge/Counter/Histogram call in actors/dashboard.py.
 
     A name is a string literal, or an f-string over the variable of a dict comprehension that
     iterates `{...}.items()` (the gauges table): that one stands for every key of the literal dict.
@@ -184,7 +184,7 @@ def test_every_query_uses_published_metrics_and_their_tags(dashboard, series):
         used = set(METRIC.findall(expr))
         assert used, f"{panel['title']}: {expr} names no etrain metric"
         unknown = used - set(series)
-        assert not unknown, f"{panel['title']}: {sorted(unknown)} are not published by app/dashboard.py"
+        assert not unknown, f"{panel['title']}: {sorted(unknown)} are not published by actors/dashboard.py"
         if any(series[s][1] is None for s in used):
             continue  # a metric Dashboard.__init__ does not create: its tag keys are unknown
         tags = {k for s in used for k in series[s][1]} | {"le"}

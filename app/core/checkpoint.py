@@ -229,12 +229,12 @@ class CursorLog:
             self._latest = record
             self._wake.notify()
 
-    def close(self) -> None:
-        """Write the last record, then stop."""
+    def close(self, timeout: float = 30) -> None:
+        """Write the last record (waiting up to `timeout` for it), then stop."""
         with self._wake:
             self._closed = True
             self._wake.notify()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
 
     def _run(self) -> None:
         while True:

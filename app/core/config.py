@@ -228,37 +228,44 @@ class ClusterConfig(Section):
 
 
 class TimeoutConfig(Section):
-    """Nested deadlines, innermost first, so a dead peer surfaces as an error, never a hang.
+    """Every wait of a run is bounded by one of these, so a dead or hung peer surfaces as an error, never a hang.
+    The first three nest, innermost first.
 
-    | key           | bounds                                             | default |
-    |---------------|----------------------------------------------------|---------|
-    | collective_s  | one all-reduce / barrier (torch process group)     | 60      |
-    | step_s        | one whole step on every worker (includes collectives) | 180  |
-    | join_s        | workers started, group formed, state loaded; the driver's wait for an answer of the coordinator | 300 |
-    | connect_s     | reaching the Ray cluster (a dead address, a refused token) | 30 |
+    | key           | bounds                                                                          | default |
+    |---------------|---------------------------------------------------------------------------------|---------|
+    | collective_s  | one all-reduce or barrier (the torch process group's timeout)                   | 60      |
+    | step_s        | one whole step on every worker, collectives included; an evaluation; a save's staging | 180 |
+    | join_s        | workers started, group formed, state loaded; the driver's wait for the coordinator's answer | 300 |
+    | ping_s        | a live worker's answer to a ping: one that does not answer is taken for hung    | 2       |
+    | connect_s     | reaching the Ray cluster (a dead address, a refused token)                      | 30      |
     | lease_s       | a run's lease not renewed for this long is stale: another driver may take the run over | 60 |
+    | close_s       | an ending run's last writes and cleanup (the cursor, the node caches), and a resumed run's wait for the old coordinator to go | 30 |
     """
 
     collective_s: float = Field(60, gt=0)
     step_s: float = Field(180, gt=0)
     join_s: float = Field(300, gt=0)
+    ping_s: float = Field(2, gt=0)
     connect_s: float = Field(30, gt=0)
     lease_s: float = Field(60, ge=4)
+    close_s: float = Field(30, gt=0)
 
     @model_validator(mode="after")
     def _nested(self) -> TimeoutConfig:
         if not self.collective_s < self.step_s < self.join_s:
             raise ValueError(f"timeouts must nest: collective_s < step_s < join_s, got {self.collective_s} / {self.step_s} / {self.join_s}")
+        if self.ping_s >= self.step_s:
+            raise ValueError(f"timeouts.ping_s={self.ping_s} must be below timeouts.step_s={self.step_s}: a ping is a moment, a step is not")
         return self
 
 
 class Fault(Section):
-    """Failure injection for tests and drills: at `step` (1-based), worker `rank` dies, hangs, slows down,
-    computes a NaN loss, or a loss `factor` times too large (a gradient spike)."""
+    """Failure injection for tests and drills (actors/faults.py): at `step` (1-based), worker `rank` dies (before its
+    step, or inside the gradient all-reduce), hangs, slows down, computes a NaN loss, or a loss `factor` times too large."""
 
     rank: int = Field(ge=0)
     step: int = Field(ge=1)
-    kind: Literal["kill", "hang", "slow", "nan", "spike"] = "kill"
+    kind: Literal["kill", "kill_in_allreduce", "hang", "slow", "nan", "spike"] = "kill"
     factor: float = Field(2.0, ge=1, description="slow: compute takes this many times as long from `step` on (a straggler)")
 
 

@@ -1,7 +1,8 @@
-"""The run directory's records: `metrics.jsonl` (one line per event) and JSON files.
+"""The run directory's records: `metrics.jsonl` (one line per event, each a record below) and JSON files.
 
 Every write is whole-file atomic or a single appended line, so a crash leaves
-files that parse.
+files that parse. The record kinds are the dataclasses here; each is built where
+its event happens and written as a dict with its `kind` (README, "Records").
 """
 
 from __future__ import annotations
@@ -9,9 +10,172 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 from app.core.config import Config
+
+# The parts a step's wall time splits into (train records: `{part}_s`; the dashboard's `step_seconds{part}`; the report's
+# plot), and the phases of a membership change (membership records: `phases`; the dashboard's scale latency).
+STEP_PARTS = ("compute", "communication", "data_wait", "other", "checkpoint_stall")
+CHANGE_PHASES = ("detect", "acquire", "migrate", "reform", "first_step")
+
+
+@dataclass
+class Record:
+    kind: ClassVar[str]
+    step: int
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, **asdict(self), "time": time.time()}
+
+
+@dataclass
+class Train(Record):
+    """A committed step. Without `loss` (and the rest after it) when survivors of a lost worker committed it:
+    their all-reduce held every share, but the lost worker's loss went with it."""
+
+    kind: ClassVar[str] = "train"
+    world_size: int
+    batch: int
+    samples: int  # the data cursor after the step
+    loss: float | None = None
+    lr: float | None = None
+    grad_norm: float | None = None
+    skipped: bool | None = None  # the outlier guard skipped the update
+    tokens_per_s: float | None = None
+    step_time_s: float | None = None
+    worker_s: float | None = None
+    mfu: float | None = None
+    shares: list[int] | None = None
+    speeds: list[float] | None = None
+    comm_bytes: int | None = None
+    dense_bytes: int | None = None
+    optimizer_bytes: list[int] | None = None
+    data_wait_s: float | None = None
+    cache_hits: int | None = None
+    cache_misses: int | None = None
+    fetched_bytes: int | None = None
+    fetched_shards: int | None = None
+    compute_s: float | None = None
+    communication_s: float | None = None
+    other_s: float | None = None
+    checkpoint_stall_s: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # mode-specific fields (parameter-server staleness)
+
+    def as_dict(self) -> dict:
+        d = super().as_dict()
+        d.update(d.pop("extra"))
+        return {k: v for k, v in d.items() if v is not None}
+
+
+@dataclass
+class Eval(Record):
+    kind: ClassVar[str] = "eval"
+    eval_loss: float
+
+
+@dataclass
+class Membership(Record):
+    """A group change at a step boundary; `phases` (CHANGE_PHASES) in seconds, `total_s` their sum."""
+
+    kind: ClassVar[str] = "membership"
+    reason: str  # start, scale-out, scale-in, recover, preemption
+    world_before: int
+    world_after: int
+    lost: int
+    joiners: int
+    joiner_nodes: list
+    draining_nodes: list
+    phases: dict[str, float] = field(default_factory=dict)
+    total_s: float = 0.0
+
+
+@dataclass
+class Autoscale(Record):
+    kind: ClassVar[str] = "autoscale"
+    world: int
+    wanted: int
+
+
+@dataclass
+class Balance(Record):
+    """The split switched between equal and by speed."""
+
+    kind: ClassVar[str] = "balance"
+    balanced: bool
+    shares: list[int]
+
+
+@dataclass
+class Outlier(Record):
+    """A step whose update the outlier guard skipped; its samples are in quarantine.jsonl."""
+
+    kind: ClassVar[str] = "outlier"
+    grad_norm: float
+    limit: float
+    samples: int
+    guard_restarted: bool
+
+
+@dataclass
+class NanRollback(Record):
+    kind: ClassVar[str] = "nan_rollback"
+    to_step: int
+    lr_scale: float
+
+
+@dataclass
+class Checkpoint(Record):
+    kind: ClassVar[str] = "checkpoint"
+    level: str
+    path: str
+    bytes: int
+    stall_s: float
+    save_s: float
+    retain_error: str | None = None
+
+
+@dataclass
+class CheckpointFailed(Record):
+    kind: ClassVar[str] = "checkpoint_failed"
+    error: str
+
+
+@dataclass
+class Rewind:
+    """The run went back to `step`: `kind` resume (a new driver) or rollback (a lost ZeRO-1 shard, a NaN)."""
+
+    step: int
+    kind: str  # resume or rollback
+    path: str | None
+    level: str | None
+    base: str | None
+    reason: str
+    reached_step: int
+    records_redone: int
+    load_s: float | None
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "time": time.time()}
+
+
+@dataclass
+class Warn(Record):
+    kind: ClassVar[str] = "warning"
+    text: str
+
+
+@dataclass
+class PSSummary(Record):
+    """Parameter-server mode's shards at the end: updates, window closes, staleness seen."""
+
+    kind: ClassVar[str] = "ps"
+    shards: list[dict]
+
+
+KINDS = (Train, Eval, Membership, Autoscale, Balance, Outlier, NanRollback, Checkpoint, CheckpointFailed, Rewind, Warn, PSSummary)
 
 
 def append_jsonl(path: Path, record: dict) -> None:

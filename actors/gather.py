@@ -1,0 +1,77 @@
+"""One way to wait for workers, with one error policy: every answer, or the workers lost, named.
+
+A wait ends at the first failure or at its deadline. Then every worker asked is pinged
+(`timeouts.ping_s`): the dead and the silent are stopped and raised as WorkersLost, so the
+caller can replace them; if all answer, the failure is on live workers, which no
+replacement would mend, and a JobError says so. A worker whose constructor failed is a
+JobError too: a replacement built from the same config would fail the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import ray
+
+from actors.control import JobError
+from app.core.errors import why
+
+
+class WorkersLost(Exception):
+    """Workers died or hung while `what` ran. `lost` are stopped already; `finished[i]` tells whether the
+    i-th ref of the wait had returned (a step whose survivors all finished is complete)."""
+
+    def __init__(self, what: str, lost: list, finished: list[bool]):
+        super().__init__(f"{len(lost)} worker(s) lost during {what}")
+        self.what, self.lost, self.finished = what, lost, finished
+        self.since = time.perf_counter()
+
+
+def gather(refs: list, among: list, what: str, timeout: float, ping_s: float, retire: Callable[[list], None]) -> list:
+    """The results of `refs`, in order. `among` are the workers answerable for them (pinged on a failure)."""
+    results, pending, failed = {}, list(refs), None
+    deadline = time.perf_counter() + timeout
+    while pending and failed is None and time.perf_counter() < deadline:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.perf_counter()))
+        for ref in done:
+            try:
+                results[ref] = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                if e.actor_init_failed:
+                    raise JobError(could_not_start(e)) from None
+                failed = failed or e
+            except ray.exceptions.RayTaskError as e:
+                failed = failed or e
+    if failed is None and not pending:
+        return [results[r] for r in refs]
+    cause = getattr(failed, "cause", failed) if failed is not None else f"no answer within {timeout:.0f} s"
+    lost = find_lost(among, what, cause, ping_s, retire)
+    raise WorkersLost(what, lost, [r in results for r in refs])
+
+
+def find_lost(workers: list, what: str, cause, ping_s: float, retire: Callable[[list], None]) -> list:
+    """The workers that are dead or do not answer a ping within `ping_s`, stopped (a hung one would block the
+    next group too). None of them means `what` failed on live workers: a JobError saying `cause`."""
+    pings = {w: w.info.remote() for w in workers}
+    lost = []
+    for worker, ref in pings.items():
+        try:
+            ray.get(ref, timeout=ping_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            lost.append(worker)
+    retire(lost)
+    if not lost:
+        raise JobError(f"{what} failed on live workers: {cause}")
+    return lost
+
+
+def could_not_start(error: ray.exceptions.RayActorError) -> str:
+    """A worker's constructor failed: its own exception, and what to do about it."""
+    said = why(error)
+    if any(m in said.lower() for m in ("allocate", "out of memory", "outofmemory")):
+        return (
+            f"a worker could not start: {said}; the model does not fit a worker's memory: lower model.d_model, "
+            f"model.n_layer or train.micro_batch (`etrain config` prints the estimate), or use larger nodes"
+        )
+    return f"a worker could not start: {said}; fix the cause, then start the job again"

@@ -1,0 +1,308 @@
+"""Who trains and who waits: the group's members and what each is (node, pid, peak FLOP/s), the warm pool,
+the nodes being drained, and the world size wanted. Every change happens here, at a step boundary.
+
+A change keeps the live actors: leavers go back to the pool, joiners come warm from it and get
+the state of a live peer (peer to peer, through the object store), and the group is re-formed
+under a new store prefix. No restart, no checkpoint load, except where ZeRO-1 lost a shard.
+Each change is a `membership` record with its phases (CHANGE_PHASES), closed by the first step
+after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+
+from actors.control import JobError, autoscale, pool_size
+from actors.data_plane import ATTACH_S
+from actors.gather import WorkersLost, gather
+from actors.pool import WarmPool
+from actors.step import Position
+from app.core.config import Config
+from app.core.errors import why
+from app.core.flops import flops_per_token, mfu
+from app.core.records import Autoscale, Membership, Warn
+
+log = logging.getLogger(__name__)
+
+WATCH_S = 1.0  # how often the cluster is looked at: preemption notices, new nodes, room to grow
+
+
+@dataclass(frozen=True)
+class Loss:
+    """Members lost between or during steps: a recovery comes next. `since` starts its "detect" phase."""
+
+    lost: list
+    since: float
+
+
+@dataclass(frozen=True)
+class ResizePlan:
+    keep: list  # members that stay, in rank order
+    leaving: list  # members going back to the pool
+    evicted: list  # members on nodes being drained: stopped, no clean exit
+    joining: int  # ready pool workers to take
+    reason: str
+
+
+def plan_resize(workers: list, nodes: dict, draining: set, target: int) -> ResizePlan:
+    """Members on draining nodes leave (a preemption); then the group shrinks to, or grows towards, `target`."""
+    evicted = [w for w in workers if nodes.get(w) in draining]
+    staying = [w for w in workers if w not in evicted]
+    keep, leaving = staying[:target], staying[target:]
+    reason = "preemption" if evicted else "scale-in" if target < len(workers) else "scale-out"
+    return ResizePlan(keep, leaving, evicted, target - len(keep), reason)
+
+
+class Team:
+    def __init__(self, cfg: Config, manifest: str, workers: list, data, balancer, log_, resume_hint: str):
+        self.cfg, self.data, self.balancer, self.log, self.resume_hint = cfg, data, balancer, log_, resume_hint
+        self.workers = workers
+        self.wanted = len(workers)  # asked for by `etrain scale` or the autoscaling policy
+        self.autoscaling = cfg.cluster.max_workers is not None
+        self.pool = WarmPool(cfg, manifest, self.retire)
+        self.nodes: dict = {}  # worker -> node id, for members and prepared pool workers
+        self.pids: dict = {}  # worker -> process id, for members (status shows where each rank runs)
+        self.peaks: dict = {}  # worker -> peak FLOP/s of its device, None on CPU (MFU's denominator)
+        self.flops_per_token = 0.0
+        self.draining: set[str] = set()  # nodes with a preemption notice
+        self.generation = 0
+        self.recoveries = 0
+        self._pending: tuple[Membership, float] | None = None  # a change waiting for its first step
+        self._next_watch = 0.0
+        self._mfu_warned = False
+
+    # -- waiting for workers ---------------------------------------------------
+
+    def gather(self, refs: list, among: list, what: str, timeout: float | None = None) -> list:
+        """actors/gather.py's wait, with this run's ping timeout and the stop that releases cache pins."""
+        t = self.cfg.timeouts
+        return gather(refs, among, what, timeout or t.step_s, t.ping_s, self.retire)
+
+    def retire(self, workers: list) -> None:
+        """Stop workers for good, and release the shard-cache pins they held (a killed reader cannot)."""
+        for w in workers:
+            ray.kill(w)
+            self.data.release(w)
+
+    # -- the cluster, between steps ---------------------------------------------
+
+    def watch(self, at: Position) -> None:
+        """Preemption notices, new nodes (their shard cache starts at once, beside the workers starting
+        there), the pool's size and, when autoscaling, room to grow: once a second, and the room also at
+        every step boundary where a ready pool worker could join."""
+        if self.autoscaling and self.pool.ready() and len(self.workers) < self.cfg.cluster.max_workers:
+            self._autoscale(at.step)
+        if time.monotonic() < self._next_watch:
+            return
+        self._next_watch = time.monotonic() + WATCH_S
+        self.draining = draining_nodes()
+        self.pool.drop([w for w in self.pool.idle if self.nodes.get(w) in self.draining])
+        self.data.start_caches(worker_nodes(self.cfg.cluster) - self.draining, at.cursor)
+        if self._pending is None:  # not while a change waits for its first step: a starting worker would slow it
+            self.refill()
+        if self.autoscaling:
+            self._autoscale(at.step)
+
+    def _autoscale(self, step: int) -> None:
+        c, before, world = self.cfg.cluster, self.wanted, len(self.workers)
+        self.wanted = autoscale(world, self._free_slots(), self.pool.ready(), len(self.pool.idle), c.max_workers, c.warm_pool)
+        if self.wanted != before:
+            self.log.record(Autoscale(step, world, self.wanted))
+
+    def _free_slots(self) -> int:
+        """Workers the cluster has room for now, beyond the pool (its workers still starting count as placed)."""
+        c = self.cfg.cluster
+        free = ray.available_resources()
+        slots = int(free.get("CPU", 0) // c.cpus_per_worker)
+        if c.gpus_per_worker:
+            slots = min(slots, int(free.get("GPU", 0) // c.gpus_per_worker))
+        return max(0, slots - len(self.pool.warming))
+
+    def pool_size(self) -> int:
+        max_workers = self.cfg.cluster.max_workers if self.autoscaling else None
+        # Room is counted once the pool's starting workers have started: Ray's view of free resources lags
+        # their placement, and a second cold start beside one still going slows both.
+        free = self._free_slots() if self.autoscaling and not self.pool.warming else 0
+        return pool_size(len(self.workers), self.wanted, free, len(self.pool.idle), self.cfg.cluster.warm_pool, max_workers)
+
+    def refill(self) -> None:
+        """The pool back to its size; the autoscaler asked for room."""
+        self.pool.refill(self.pool_size())
+        self.pool.reserve(self.cfg.cluster.max_workers if self.autoscaling else max(self.wanted, len(self.workers)))
+
+    def prepare_pool(self, at: Position) -> None:
+        """Attach pool workers that finished warming up to their node's cache while they wait. The attach is
+        waited for a moment (the node's cache has the shard already, most often: then the worker can join
+        at this step boundary), not longer: a slow download must not hold up training."""
+        for worker in self.pool.newly_ready():
+            try:
+                self.nodes[worker] = node = ray.get(worker.info.remote(), timeout=self.cfg.timeouts.ping_s)["node"]
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:  # died starting: the next refill replaces it
+                log.warning("a warm-pool worker did not start: %s", why(e))
+                self.pool.drop([worker])
+                continue
+            if node in self.draining:  # started on a node with a preemption notice: no use waiting there
+                self.pool.drop([worker])
+                continue
+            self.pool.preparing[worker] = attach = self.data.attach([worker], [node], at.cursor, read=True)[0]
+            ray.wait([attach], timeout=ATTACH_S)
+
+    def target(self) -> int:
+        """The world size the next step boundary can reach: shrinking at once, growing by ready pool workers only."""
+        world = len(self.workers)
+        return self.wanted if self.wanted <= world else world + min(self.wanted - world, self.pool.ready())
+
+    def evicting(self) -> int:
+        """Members on nodes being drained: they leave at the next step boundary."""
+        return sum(self.nodes.get(w) in self.draining for w in self.workers)
+
+    def request(self, workers: int) -> None:
+        """`etrain scale`: a manual request pins the size, and the autoscaling policy stops for this run."""
+        self.wanted, self.autoscaling = workers, False
+
+    # -- changes ------------------------------------------------------------------
+
+    def resize(self, at: Position, whole=None) -> Loss | None:
+        """Members on draining nodes leave (preemption); then shrink to, or grow towards, the target.
+        `whole`: a ZeRO-1 state gathered before anyone leaves, which every member then loads."""
+        started = time.perf_counter()
+        plan = plan_resize(self.workers, self.nodes, self.draining, self.target())
+        self.retire(plan.evicted)  # its node is going away: no clean exit needed, and it may be gone already
+        leaving = plan.leaving
+        try:
+            self.gather([w.leave.remote() for w in leaving], leaving, "group exit", self.cfg.timeouts.join_s)
+        except WorkersLost as gone:  # a leaver that died is simply not given back
+            leaving = [w for w in leaving if w not in gone.lost]
+        self.pool.give_back(leaving, keep=max(self.pool_size(), self.cfg.cluster.warm_pool + plan.joining))
+        return self.change(plan.keep, plan.joining, plan.reason, at, started, lost=len(plan.evicted), whole=whole)
+
+    def recover(self, loss: Loss, at: Position, whole=None) -> Loss | None:
+        """Survivors plus ready pool workers redo the step; fewer if the pool is short (more join when ready)."""
+        survivors = [w for w in self.workers if w not in loss.lost]
+        self.recoveries += 1
+        return self.change(survivors, self.wanted - len(survivors), "recover", at, loss.since, lost=len(loss.lost), whole=whole)
+
+    def change(self, members: list, joining: int, reason: str, at: Position, started: float, lost: int = 0, whole=None) -> Loss | None:
+        """Re-form the group as `members` plus up to `joining` ready pool workers; each phase timed."""
+        phases = {"detect": time.perf_counter() - started}
+        t = time.perf_counter()
+        joiners = self.pool.take(joining) if joining > 0 else []
+        phases["acquire"] = time.perf_counter() - t
+        self._close(stepped=False)
+        event = Membership(at.step, reason, len(self.workers), len(members) + len(joiners), lost, len(joiners),
+                           [self.nodes.get(w) for w in joiners], sorted(self.draining), phases)  # fmt: skip
+        if not members + joiners:
+            raise JobError(f"no worker left and none ready in the warm pool; {self.resume_hint}")
+        self.balancer.forget(members + joiners)
+        try:
+            self.form(members + joiners, at, reason, phases, whole)
+        except WorkersLost as gone:  # the next decision is a recovery, with the members still alive
+            self.workers = [w for w in members + joiners if w not in gone.lost]
+            log.warning("%d worker(s) lost during a %s at step %d; recovering", len(gone.lost), reason, at.step)
+            return Loss(gone.lost, time.perf_counter())
+        self._pending = (event, started)  # the pool refills after its first step
+        return None
+
+    def form(self, members: list, at: Position, reason: str, phases: dict | None = None, whole=None) -> None:
+        """Make `members` the group at step `at.step`: caches, state from a live peer (or `whole`, a state every member
+        loads after leaving the old group: ZeRO-1 re-shards it), a new generation. WorkersLost if one dies."""
+        join_s, step = self.cfg.timeouts.join_s, at.step
+        phases = phases if phases is not None else {}
+        t = time.perf_counter()
+        infos = self.gather([w.info.remote() for w in members], members, "worker start", join_s)
+        self._note(members, infos)
+        fresh = [(w, i["node"]) for w, i in zip(members, infos) if w not in self.data.attached]
+        self.gather(self.data.attach([w for w, _ in fresh], [n for _, n in fresh], at.cursor), members, "cache attach", join_s)
+        behind = [w for w, i in zip(members, infos) if i["applied"] != step]
+        if behind and reason != "start" and whole is None:
+            source = next((w for w, i in zip(members, infos) if i["applied"] == step), None)
+            if source is None:
+                raise JobError(f"no live worker holds step {step}; {self.resume_hint}")
+            state = source.state.remote()  # passed by reference: the object store carries it peer to peer
+            self.gather([w.load_state.remote(state, step) for w in behind], members, "state migration", join_s)
+        phases["migrate"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.gather([w.leave.remote() for w in members], members, "group exit", join_s)
+        if whole is not None:
+            loaded = time.perf_counter()
+            self.gather([w.load_state.remote(whole, step) for w in members], members, "state migration", join_s)
+            phases["migrate"] += time.perf_counter() - loaded
+            t += time.perf_counter() - loaded
+        self.generation += 1
+        host, port = self.gather([members[0].host_store.remote()], members, "store start", join_s)[0]
+        joins = [w.join.remote(rank, len(members), host, port, self.generation) for rank, w in enumerate(members)]
+        self.gather(joins, members, "process group formation", join_s)
+        phases["reform"] = time.perf_counter() - t
+        self.workers = members
+
+    def consolidate(self):
+        """ZeRO-1: the whole state, gathered from the group's optimizer shards (a ref, rank 0's). WorkersLost
+        if a member is gone (a preempted node may be): then recovery goes back to the last checkpoint."""
+        refs = [w.state.remote() for w in self.workers]
+        self.gather(refs, self.workers, "gathering the ZeRO-1 optimizer state")
+        return refs[0]
+
+    def stepped(self) -> None:
+        """A step committed: the pending change, if any, is closed with its first step."""
+        self._close(stepped=True)
+
+    def _close(self, stepped: bool) -> None:
+        """Record the pending change; its first_step phase only if a step followed it (a change can follow
+        another at once: a preemption's shrink, then a ready worker's join)."""
+        if self._pending is None:
+            return
+        (event, started), self._pending = self._pending, None
+        if stepped:
+            event.phases["first_step"] = time.perf_counter() - started - sum(event.phases.values())
+        event.total_s = sum(event.phases.values())
+        self.log.record(event)
+
+    def _note(self, members: list, infos: list[dict]) -> None:
+        self.nodes |= {w: i["node"] for w, i in zip(members, infos)}
+        self.pids |= {w: i["pid"] for w, i in zip(members, infos)}
+        self.peaks |= {w: i["peak_flops"] for w, i in zip(members, infos)}
+        self.flops_per_token = flops_per_token(self.cfg.model, infos[0]["params"])
+
+    def start_ps(self, at: Position) -> None:
+        """Parameter-server mode: the workers as they are (no group), on their nodes' caches."""
+        infos = self.gather([w.info.remote() for w in self.workers], self.workers, "worker start", self.cfg.timeouts.join_s)
+        self._note(self.workers, infos)
+        self.gather(self.data.attach(self.workers, [i["node"] for i in infos], at.cursor), self.workers, "cache attach")
+
+    # -- what the members are -------------------------------------------------------
+
+    def mfu(self, tokens_per_s: float, step: int) -> float | None:
+        value = mfu(self.flops_per_token, tokens_per_s, [self.peaks[w] for w in self.workers])
+        if value is None and None not in self.peaks.values() and not self._mfu_warned:
+            self._mfu_warned = True
+            self.log.record(Warn(step, "MFU above 100%: the device peak (app/core/flops.py) is wrong for this device; MFU is left out of the records"))
+        return value
+
+    def members(self) -> list[dict]:
+        """Each rank's node, pid and measured speed (once it has started)."""
+        return [
+            {"rank": r, "node": self.nodes[w], "pid": self.pids[w], "speed": self.balancer.speeds.get(w)} for r, w in enumerate(self.workers) if w in self.pids
+        ]
+
+    def stop(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+        self.pool.close()
+        self.pool.reserve(0)
+
+
+def worker_nodes(c) -> set[str]:
+    """Alive nodes big enough for one worker of `c` (cluster config): where pool workers can start."""
+    fits = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) >= c.cpus_per_worker]
+    return {n["NodeID"] for n in fits if not c.gpus_per_worker or n["Resources"].get("GPU", 0) >= c.gpus_per_worker}
+
+
+def draining_nodes() -> set[str]:
+    """Nodes with a drain request: a preemption notice (autoscaler v2, KubeRay, `ray drain-node`)
+    or an idle termination. Ray exposes it only internally (Ray Serve reads it the same way)."""
+    return set(ray._private.state.state.get_draining_nodes())

@@ -1,0 +1,139 @@
+"""One training step as a transaction, read top to bottom in `Stepper.run`.
+
+The next global batch (an exact slice of the sample order at the cursor) is split over
+the members by their measured speed; each trains its share, and the gradients meet in
+the all-reduce. The step commits (the cursor moves, its record is written) only when
+every member finished it. Otherwise the loop learns what happened: members lost (the
+recovered group redoes the step; if the survivors had all finished, their all-reduce held
+every share, and the step is committed instead), or a non-finite gradient (nobody stepped:
+the run goes back to its last checkpoint).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from actors.gather import WorkersLost
+from app.core.config import Config
+from app.core.records import Balance, Outlier, Train
+from pipelines import order
+
+
+@dataclass
+class Position:
+    """Where the run stands: the last committed step and the data cursor after it (what checkpoints hold)."""
+
+    step: int = 0
+    cursor: int = 0
+
+
+@dataclass
+class StepReport:
+    """One worker's part of a step (actors/worker.py `train_step`)."""
+
+    finite: bool  # every rank holds the same synchronised gradient, so every rank says the same
+    skipped: bool  # above the outlier guard's limit: the update was skipped
+    loss: float  # this worker's share of the step's mean loss
+    grad_norm: float
+    lr: float
+    samples: int
+    compute_s: float  # forward and backward up to the last gradient bucket: no waiting on peers
+    communication_s: float  # the all-reduce time not hidden behind the backward pass
+    worker_s: float
+    comm_bytes: int
+    dense_bytes: int
+    optimizer_bytes: int
+    data: dict  # hits, misses, wait_s
+    saving: bool  # a checkpoint part is still being written
+
+
+@dataclass
+class Outcome:
+    """What the loop learns from a step."""
+
+    lost: list = field(default_factory=list)  # members lost: a recovery comes next
+    since: float = 0.0  # when the failed step was dispatched (a recovery's "detect" starts there)
+    diverged: bool = False  # a non-finite gradient: a rollback comes next
+
+
+class Stepper:
+    def __init__(self, cfg: Config, team, data, balancer, guards, faults, saver, log):
+        self.cfg, self.team, self.data, self.balancer = cfg, team, data, balancer
+        self.guards, self.faults, self.saver, self.log = guards, faults, saver, log
+
+    def run(self, at: Position) -> Outcome:
+        started = time.perf_counter()
+        workers, n = self.team.workers, at.step + 1
+        batch = self.cfg.batch_at(len(workers))
+        was_balanced = self.balancer.balanced
+        shares = order.plan_step(self.data.layout, at.cursor, batch, self.balancer.weights(workers))
+        limit, faults = self.guards.limit(), self.faults.due(n)
+        refs = [
+            w.train_step.remote(at.step, ids, batch, at.cursor, faults.get(rank), self.guards.lr_scale, limit)
+            for rank, (w, ids) in enumerate(zip(workers, shares))
+        ]
+        try:
+            reports: list[StepReport] = self.team.gather(refs, workers, f"step {n}", self.cfg.timeouts.step_s)
+        except WorkersLost as gone:
+            survivors = [done for w, done in zip(workers, gone.finished) if w not in gone.lost]
+            if survivors and all(survivors):  # their all-reduce had every share in it
+                self.commit(at, batch, None, 0.0)
+            return Outcome(lost=gone.lost, since=started)
+        if not all(r.finite for r in reports):
+            return Outcome(diverged=True)
+        lead = reports[0]
+        if lead.skipped:
+            self.data.quarantine(n, np.concatenate(shares), lead.grad_norm, limit)
+            self.log.record(Outlier(n, lead.grad_norm, limit, sum(len(s) for s in shares), self.guards.reject()))
+        else:
+            self.guards.accept(lead.grad_norm)
+        for worker, report in zip(workers, reports):
+            self.balancer.observe(worker, report.samples, report.compute_s)
+        self.saver.observe([r.saving for r in reports])
+        if self.balancer.balanced != was_balanced:
+            self.log.record(Balance(n, self.balancer.balanced, [len(s) for s in shares]))
+        self.commit(at, batch, reports, time.perf_counter() - started)
+        return Outcome()
+
+    def commit(self, at: Position, batch: int, reports: list[StepReport] | None, elapsed: float) -> None:
+        """The step is done: the cursor moves on, and its record is written. Without reports when the
+        survivors of a lost member committed it (their losses miss the lost one's share)."""
+        at.step, at.cursor = at.step + 1, at.cursor + batch
+        record = Train(at.step, len(self.team.workers), batch, at.cursor)
+        if reports is not None:
+            tokens_per_s = batch * self.cfg.model.seq_len / elapsed
+            slowest = max(reports, key=lambda r: r.worker_s)  # the others waited for it
+            record.loss, record.lr, record.grad_norm, record.skipped = sum(r.loss for r in reports), reports[0].lr, reports[0].grad_norm, reports[0].skipped
+            record.tokens_per_s, record.step_time_s, record.worker_s = tokens_per_s, elapsed, slowest.worker_s
+            record.mfu = self.team.mfu(tokens_per_s, at.step)
+            record.shares = [r.samples for r in reports]
+            record.speeds = [round(r.samples / max(r.compute_s, 1e-9), 2) for r in reports]
+            record.comm_bytes, record.dense_bytes = sum(r.comm_bytes for r in reports), sum(r.dense_bytes for r in reports)
+            record.optimizer_bytes = [r.optimizer_bytes for r in reports]
+            cost = self.data.cost([r.data for r in reports])
+            record.data_wait_s, record.cache_hits, record.cache_misses = cost["data_wait_s"], cost["cache_hits"], cost["cache_misses"]
+            record.fetched_bytes, record.fetched_shards = cost["fetched_bytes"], cost["fetched_shards"]
+            # The step's wall time by part (STEP_PARTS), as the slowest worker spent it; "other" is the rest: dispatch,
+            # the optimizer update, the commit. The checkpoint stall came before the step.
+            record.compute_s, record.communication_s = slowest.compute_s, slowest.communication_s
+            record.other_s = max(0.0, elapsed - slowest.compute_s - slowest.communication_s - record.data_wait_s)
+            record.checkpoint_stall_s = self.saver.stall
+        self.saver.stall = 0.0
+        self.log.record(record)
+        self.log.dashboard.pool(self.team.pool.ready())
+        self.saver.stepped(at.step, at.cursor, batch)
+        self.team.stepped()
+
+
+def evaluate(team, eval_ids: np.ndarray, timeout: float) -> float | None:
+    """The mean loss of the current weights on the held-out samples, split over the members.
+    WorkersLost if a member is lost meanwhile: this evaluation is lost with it."""
+    if not len(eval_ids):
+        return None
+    workers = team.workers
+    shares = order.split(eval_ids, [1.0] * len(workers)) if len(eval_ids) >= len(workers) else [eval_ids]
+    results = team.gather([w.evaluate.remote(s) for w, s in zip(workers, shares)], workers, "evaluation", timeout)
+    return sum(r[0] for r in results) / sum(r[1] for r in results)
