@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench cluster-up cluster-down clean-venv
+.PHONY: demo test test-unit bench cluster-up cluster-down clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ test: $(STAMP)  ## lint and format check (ruff), then the whole test suite on on
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
+
+test-unit: $(STAMP)  ## the tests that need no Ray (seconds): the fast loop while editing
+	$(PY) -m pytest -m unit -q
 
 bench: $(STAMP)  ## throughput vs plain torch and Ray Train, written to bench/results/
 	$(PY) bench/throughput.py

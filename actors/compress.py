@@ -22,7 +22,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 MODES = ("none", "fp16", "bf16", "powersgd", "topk")
 SEGMENT = 32768  # top-k picks per segment, so a local index fits an int16 (sent as bytes: gloo has no int16)
 _FP16_MAX = torch.finfo(torch.float16).max
-_TORCH_HOOKS = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+_TORCH_HOOKS = {
+    "none": default_hooks.allreduce_hook,
+    "fp16": default_hooks.fp16_compress_hook,
+    "bf16": default_hooks.bf16_compress_hook,
+}
 
 
 class GradSync:
@@ -54,8 +58,12 @@ class GradSync:
         group = ddp.process_group
         if self.mode == "powersgd":
             # torch counts its own steps from each new group, and needs at least 2 of plain all-reduce.
-            state = powersgd.PowerSGDState(group, matrix_approximation_rank=self.powersgd_rank, start_powerSGD_iter=max(2, self.start))
-            hook = self._in_order(powersgd.powerSGD_hook) if dist.get_backend(group) == "gloo" else powersgd.powerSGD_hook
+            state = powersgd.PowerSGDState(
+                group, matrix_approximation_rank=self.powersgd_rank, start_powerSGD_iter=max(2, self.start)
+            )
+            hook = (
+                self._in_order(powersgd.powerSGD_hook) if dist.get_backend(group) == "gloo" else powersgd.powerSGD_hook
+            )
             ddp.register_comm_hook(state, self._counted(hook, powersgd_bytes))
         elif self.mode == "topk":
             ddp.register_comm_hook(group, self._counted(self._topk_hook, self._topk_bytes))
@@ -119,7 +127,9 @@ class GradSync:
             return default_hooks.allreduce_hook(group, bucket)
         buffer, params = bucket.buffer(), bucket.parameters()
         # bucket.parameters() lists the parameters in the order of their slices of the flat buffer.
-        residual = torch.cat([self.residuals[p] if p in self.residuals else buffer.new_zeros(p.numel()) for p in params])
+        residual = torch.cat(
+            [self.residuals[p] if p in self.residuals else buffer.new_zeros(p.numel()) for p in params]
+        )
         payload, residual = topk_compress(buffer + residual, self.topk_ratio)
         self.residuals.update(zip(params, residual.split([p.numel() for p in params])))
         world = group.size()
@@ -169,7 +179,9 @@ def topk_kept(numel: int, ratio: float) -> int:
 
 def _segment_starts(numel: int, ratio: float) -> torch.Tensor:
     """Start of the segment of each kept entry, in payload order: local index + this = flat index."""
-    starts = [(start + SEGMENT * torch.arange(rows)).repeat_interleave(k) for start, rows, _, k in _blocks(numel, ratio)]
+    starts = [
+        (start + SEGMENT * torch.arange(rows)).repeat_interleave(k) for start, rows, _, k in _blocks(numel, ratio)
+    ]
     return torch.cat(starts)
 
 

@@ -76,7 +76,9 @@ class Coordinator:
                     self.loss = handlers[state]()
             self.saver.finish()
             if self.log.phase == State.FAILED:
-                raise JobError(f"lost workers more than cluster.max_recoveries={self.team.recoveries} times; {self.hint}")
+                raise JobError(
+                    f"lost workers more than cluster.max_recoveries={self.team.recoveries} times; {self.hint}"
+                )
             return self.log.summary()
         except Exception as e:
             self.log.phase, self.log.failure = State.FAILED, str(e) if isinstance(e, JobError) else why(e)
@@ -95,7 +97,9 @@ class Coordinator:
             point = self.saver.resume_point(self.cfg.hash())
             if point.ckpt is not None:
                 parts = ray.put(point.ckpt.parts)
-                self._gather_all([w.load_state.remote(parts, point.meta["step"]) for w in self.team.workers], "state load")
+                self._gather_all(
+                    [w.load_state.remote(parts, point.meta["step"]) for w in self.team.workers], "state load"
+                )
             self._rewind(point, "resume", load_s=time.perf_counter() - started)
         self.saved_step = self.evaluated_step = self.at.step
         if self.cfg.comm.zero and self.saver.latest(self.cfg.hash()) is None:
@@ -170,7 +174,9 @@ class Coordinator:
         self.saver.finish()  # a lost writer fails it; the others' parts are of a good step
         whole = None
         if self._sharded():
-            point = self.saver.rollback_point(self.cfg.hash(), "a worker lost with its ZeRO-1 optimizer shard", self.hint)
+            point = self.saver.rollback_point(
+                self.cfg.hash(), "a worker lost with its ZeRO-1 optimizer shard", self.hint
+            )
             self._rewind(point, "rollback")
             whole = ray.put(point.ckpt.parts)
         return self.team.recover(self.loss, self.at, whole)
@@ -202,16 +208,16 @@ class Coordinator:
         ckpt = point.ckpt
         self.log.record(
             Rewind(
-                self.at.step,
-                kind,
-                ckpt.path if ckpt else None,
-                meta["level"],
-                ckpt.base if ckpt else None,
-                point.reason,
-                reached,
-                self.log.rewind(self.at.step),
-                load_s,
-            )  # fmt: skip
+                step=self.at.step,
+                kind=kind,
+                path=ckpt.path if ckpt else None,
+                level=meta["level"],
+                base=ckpt.base if ckpt else None,
+                reason=point.reason,
+                reached_step=reached,
+                records_redone=self.log.rewind(self.at.step),
+                load_s=load_s,
+            )
         )
 
     def _gather_all(self, refs: list, what: str) -> list:
@@ -234,7 +240,17 @@ class Coordinator:
         if point is not None:
             self._rewind(point, "resume")
         self.log.phase = State.RUNNING
-        ps = PSTraining(self.cfg, self.team, self.data, self.at, self.log, self.faults, self._gather_all, self._ps_evaluate, self._ps_checkpoint)
+        ps = PSTraining(
+            self.cfg,
+            self.team,
+            self.data,
+            self.at,
+            self.log,
+            self.faults,
+            self._gather_all,
+            self._ps_evaluate,
+            self._ps_checkpoint,
+        )
         try:
             ps.start(point.ckpt.parts if point is not None and point.ckpt is not None else None)
             ps.run()
@@ -244,11 +260,15 @@ class Coordinator:
 
     def _ps_evaluate(self) -> None:
         if due(self.at.step, self.cfg.train.eval_every, self.cfg.train.steps) and self._evaluate() is not None:
-            raise JobError(f"a worker was lost during an evaluation, and parameter-server mode cannot recover; {self.hint}")
+            raise JobError(
+                f"a worker was lost during an evaluation, and parameter-server mode cannot recover; {self.hint}"
+            )
 
     def _ps_checkpoint(self) -> None:
         if self._checkpoint() is not None:
-            raise JobError(f"a worker was lost during a checkpoint, and parameter-server mode cannot recover; {self.hint}")
+            raise JobError(
+                f"a worker was lost during a checkpoint, and parameter-server mode cannot recover; {self.hint}"
+            )
 
     def _stop(self) -> None:
         self.log.close()
@@ -301,5 +321,8 @@ class Coordinator:
         if self.cfg.comm.mode == "ps":
             raise ValueError("a parameter-server run (comm.mode=ps) keeps its workers: it cannot be resized")
         if self.cfg.train.batch_scaling == "constant" and workers > self.cfg.train.global_batch:
-            raise ValueError(f"workers must not exceed train.global_batch={self.cfg.train.global_batch} (every worker needs a sample), got {workers}")
+            raise ValueError(
+                f"workers must not exceed train.global_batch={self.cfg.train.global_batch} (every worker needs a "
+                f"sample), got {workers}"
+            )
         self.team.request(workers)

@@ -28,7 +28,7 @@ class Dashboard:
                 "loss": "training loss of the last step",
                 "eval_loss": "loss on the held-out set at the last evaluation",
                 "tokens_per_second": "tokens trained per second, over the last step",
-                "mfu": "model FLOPs utilisation: achieved FLOP/s over the members' peak (GPU only; app/flops.py)",
+                "mfu": "model FLOPs utilisation: achieved FLOP/s over the members' peak (GPU only; app/core/flops.py)",
                 "grad_norm": "gradient norm of the last step (before clipping)",
                 "world_size": "workers in the process group",
                 "warm_pool_size": "warm workers ready to join",
@@ -38,16 +38,29 @@ class Dashboard:
             }.items()
         }
         self.step_seconds = Gauge(
-            "etrain_step_seconds", "the last step's time by part: the slowest worker's, and the save that held it up", tag_keys=("run", "part")
+            "etrain_step_seconds",
+            "the last step's time by part: the slowest worker's, and the save that held it up",
+            tag_keys=("run", "part"),
         )
-        self.scale_latency = Gauge("etrain_scale_latency_seconds", "the last membership change, from detection to first step", tag_keys=("run", "reason"))
+        self.scale_latency = Gauge(
+            "etrain_scale_latency_seconds",
+            "the last membership change, from detection to first step",
+            tag_keys=("run", "reason"),
+        )
         self.scale_events = Counter("etrain_scale_events", "membership changes", tag_keys=("run", "reason"))
-        self.fetched = Counter("etrain_fetched_bytes", "shard bytes the node caches fetched from storage", tag_keys=keys)
+        self.fetched = Counter(
+            "etrain_fetched_bytes", "shard bytes the node caches fetched from storage", tag_keys=keys
+        )
         self.grad_norms = Histogram(
-            "etrain_grad_norm_distribution", "gradient norms", boundaries=[0.01, 0.03, 0.1, 0.3, 0.5, 1, 2, 3, 5, 10, 30, 100], tag_keys=keys
+            "etrain_grad_norm_distribution",
+            "gradient norms",
+            boundaries=[0.01, 0.03, 0.1, 0.3, 0.5, 1, 2, 3, 5, 10, 30, 100],
+            tag_keys=keys,
         )
         # Ray 2.60 exports a histogram's _sum from its buckets' midpoints; the exact sum (for the mean) is this.
-        self.grad_norm_total = Counter("etrain_grad_norms", "the sum of every gradient norm (the mean: over ..._distribution_count)", tag_keys=keys)
+        self.grad_norm_total = Counter(
+            "etrain_grad_norms", "the sum of every gradient norm (the mean: over ..._distribution_count)", tag_keys=keys
+        )
         self.held: dict = {}  # (gauge name, extra tag) -> (gauge, value, tags): what each step sets again
         self.cache = {"hits": 0, "served": 0}
 

@@ -36,7 +36,9 @@ class DataPlane:
         """Read the manifest: the layout of the training samples, the held-out ids."""
         cfg, splits = self.cfg, read_manifest(self.manifest)["splits"]
         self.shard_paths = [s["path"] for s in splits["train"]["shards"]]  # to name a quarantined sample's source
-        self.layout = order.Layout(cfg.train.seed, tuple(s["samples"] for s in splits["train"]["shards"]), cfg.data.shuffle_shards)
+        self.layout = order.Layout(
+            cfg.train.seed, tuple(s["samples"] for s in splits["train"]["shards"]), cfg.data.shuffle_shards
+        )
         # A fixed held-out subset (seed 0, not the training seed) so runs and trials compare.
         num_eval = splits["eval"]["samples"]
         self.eval_ids = order.take(order.Layout(0, (num_eval,), 1), 0, min(cfg.train.eval_samples, num_eval))
@@ -55,7 +57,9 @@ class DataPlane:
         shard read at `cursor` now (a pool worker, so that its first step does not pay for it)."""
         self.start_caches(set(nodes), cursor)
         self.attached |= set(workers)
-        return [w.attach_cache.remote(self.caches[n], self.layout, cursor if read else None) for w, n in zip(workers, nodes)]
+        return [
+            w.attach_cache.remote(self.caches[n], self.layout, cursor if read else None) for w, n in zip(workers, nodes)
+        ]
 
     def release(self, worker) -> None:
         """Every pin of a worker that was stopped. A reader's holder name is its actor id (no public accessor)."""
@@ -91,13 +95,18 @@ class DataPlane:
         from (the shard's `sources` column), to the run's quarantine log."""
         shards = self.layout.shard_of(ids)
         rows = ids - self.layout.starts[shards]
-        sources = [{"sample": int(i), "shard": self.shard_paths[s], "row": int(r)} for i, s, r in zip(ids, shards, rows)]
+        sources = [
+            {"sample": int(i), "shard": self.shard_paths[s], "row": int(r)} for i, s, r in zip(ids, shards, rows)
+        ]
         for s in np.unique(shards):
             mine = np.flatnonzero(shards == s)
             docs = row_sources(posixpath.join(posixpath.dirname(self.manifest), self.shard_paths[s]), rows[mine])
             for k, names in zip(mine, docs or []):
                 sources[k]["documents"] = names
-        append_jsonl(self.run_dir / "quarantine.jsonl", {"step": step, "grad_norm": grad_norm, "limit": limit, "samples": sources})
+        append_jsonl(
+            self.run_dir / "quarantine.jsonl",
+            {"step": step, "grad_norm": grad_norm, "limit": limit, "samples": sources},
+        )
 
     def close(self, wait_s: float) -> None:
         """Stop the caches, best effort: their files are removed if they answer within `wait_s`."""

@@ -109,7 +109,9 @@ class Team:
 
     def _autoscale(self, step: int) -> None:
         c, before, world = self.cfg.cluster, self.wanted, len(self.workers)
-        self.wanted = autoscale(world, self._free_slots(), self.pool.ready(), len(self.pool.idle), c.max_workers, c.warm_pool)
+        self.wanted = autoscale(
+            world, self._free_slots(), self.pool.ready(), len(self.pool.idle), c.max_workers, c.warm_pool
+        )
         if self.wanted != before:
             self.log.record(Autoscale(step, world, self.wanted))
 
@@ -127,7 +129,9 @@ class Team:
         # Room is counted once the pool's starting workers have started: Ray's view of free resources lags
         # their placement, and a second cold start beside one still going slows both.
         free = self._free_slots() if self.autoscaling and not self.pool.warming else 0
-        return pool_size(len(self.workers), self.wanted, free, len(self.pool.idle), self.cfg.cluster.warm_pool, max_workers)
+        return pool_size(
+            len(self.workers), self.wanted, free, len(self.pool.idle), self.cfg.cluster.warm_pool, max_workers
+        )
 
     def refill(self) -> None:
         """The pool back to its size; the autoscaler asked for room."""
@@ -141,7 +145,8 @@ class Team:
         for worker in self.pool.newly_ready():
             try:
                 self.nodes[worker] = node = ray.get(worker.info.remote(), timeout=self.cfg.timeouts.ping_s)["node"]
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:  # died starting: the next refill replaces it
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                # died starting: the next refill replaces it
                 log.warning("a warm-pool worker did not start: %s", why(e))
                 self.pool.drop([worker])
                 continue
@@ -184,9 +189,13 @@ class Team:
         """Survivors plus ready pool workers redo the step; fewer if the pool is short (more join when ready)."""
         survivors = [w for w in self.workers if w not in loss.lost]
         self.recoveries += 1
-        return self.change(survivors, self.wanted - len(survivors), "recover", at, loss.since, lost=len(loss.lost), whole=whole)
+        return self.change(
+            survivors, self.wanted - len(survivors), "recover", at, loss.since, lost=len(loss.lost), whole=whole
+        )
 
-    def change(self, members: list, joining: int, reason: str, at: Position, started: float, lost: int = 0, whole=None) -> Loss | None:
+    def change(
+        self, members: list, joining: int, reason: str, at: Position, started: float, lost: int = 0, whole=None
+    ) -> Loss | None:
         """Re-form the group as `members` plus up to `joining` ready pool workers; each phase timed."""
         phases = {"detect": time.perf_counter() - started}
         t = time.perf_counter()
@@ -216,7 +225,9 @@ class Team:
         infos = self.gather([w.info.remote() for w in members], members, "worker start", join_s)
         self._note(members, infos)
         fresh = [(w, i["node"]) for w, i in zip(members, infos) if w not in self.data.attached]
-        self.gather(self.data.attach([w for w, _ in fresh], [n for _, n in fresh], at.cursor), members, "cache attach", join_s)
+        self.gather(
+            self.data.attach([w for w, _ in fresh], [n for _, n in fresh], at.cursor), members, "cache attach", join_s
+        )
         behind = [w for w, i in zip(members, infos) if i["applied"] != step]
         if behind and reason != "start" and whole is None:
             source = next((w for w, i in zip(members, infos) if i["applied"] == step), None)
@@ -269,7 +280,9 @@ class Team:
 
     def start_ps(self, at: Position) -> None:
         """Parameter-server mode: the workers as they are (no group), on their nodes' caches."""
-        infos = self.gather([w.info.remote() for w in self.workers], self.workers, "worker start", self.cfg.timeouts.join_s)
+        infos = self.gather(
+            [w.info.remote() for w in self.workers], self.workers, "worker start", self.cfg.timeouts.join_s
+        )
         self._note(self.workers, infos)
         self.gather(self.data.attach(self.workers, [i["node"] for i in infos], at.cursor), self.workers, "cache attach")
 
@@ -279,13 +292,21 @@ class Team:
         value = mfu(self.flops_per_token, tokens_per_s, [self.peaks[w] for w in self.workers])
         if value is None and None not in self.peaks.values() and not self._mfu_warned:
             self._mfu_warned = True
-            self.log.record(Warn(step, "MFU above 100%: the device peak (app/core/flops.py) is wrong for this device; MFU is left out of the records"))
+            self.log.record(
+                Warn(
+                    step,
+                    "MFU above 100%: the device peak (app/core/flops.py) is wrong for this device; MFU is left out of "
+                    "the records",
+                )
+            )
         return value
 
     def members(self) -> list[dict]:
         """Each rank's node, pid and measured speed (once it has started)."""
         return [
-            {"rank": r, "node": self.nodes[w], "pid": self.pids[w], "speed": self.balancer.speeds.get(w)} for r, w in enumerate(self.workers) if w in self.pids
+            {"rank": r, "node": self.nodes[w], "pid": self.pids[w], "speed": self.balancer.speeds.get(w)}
+            for r, w in enumerate(self.workers)
+            if w in self.pids
         ]
 
     def stop(self) -> None:

@@ -80,8 +80,7 @@ class WarmPool:
         from it), the pool is trimmed, workers still starting first."""
         self.idle = workers + self.idle
         self.preparing |= {w: w.info.remote() for w in workers}
-        self.idle.sort(key=lambda w: w in self.warming)
-        self.drop(self.idle[keep:])
+        self.drop(surplus(self.idle, set(self.warming), keep))
 
     def reserve(self, members: int) -> None:
         """Ask the autoscaler for room for `members` workers plus the pool. The request persists
@@ -97,3 +96,8 @@ class WarmPool:
 
     def close(self) -> None:
         self.drop(list(self.idle))
+
+
+def surplus(idle: list, warming: set, keep: int) -> list:
+    """The pool workers beyond `keep` to stop: those still starting first (the warm ones are worth more)."""
+    return sorted(idle, key=lambda w: w in warming)[keep:]

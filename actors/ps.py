@@ -112,7 +112,9 @@ class ParamShard:
         if samples < 1:
             raise ValueError(f"worker {worker} pushed a gradient over {samples} samples; it needs at least one")
         if base_version > self.version:
-            raise ValueError(f"worker {worker} pushed on base version {base_version}, newer than this shard's {self.version}")
+            raise ValueError(
+                f"worker {worker} pushed on base version {base_version}, newer than this shard's {self.version}"
+            )
         while worker in self._round.pushers:
             await self._round.done.wait()
         staleness = self.version - base_version
@@ -153,13 +155,15 @@ class ParamShard:
         """Applied parameters and AdamW moments by name; pushes in the open round are not part of it."""
         optim = {}
         for name, p in self._params.items():
-            s = self._opt.state.get(p) or {
-                "step": torch.tensor(0.0),
-                "exp_avg": torch.zeros_like(p),
-                "exp_avg_sq": torch.zeros_like(p),
-            }  # what AdamW starts from
+            fresh = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            s = self._opt.state.get(p) or fresh  # what AdamW starts from
             optim[name] = {k: s[k].detach().clone() for k in ("step", "exp_avg", "exp_avg_sq")}
-        return {"version": self.version, "samples": self.samples, "optim": optim, "params": {n: p.detach().clone() for n, p in self._params.items()}}
+        return {
+            "version": self.version,
+            "samples": self.samples,
+            "optim": optim,
+            "params": {n: p.detach().clone() for n, p in self._params.items()},
+        }
 
     def load(self, state: dict) -> None:
         """Restore a state(); a parameter missing from state["optim"] starts its AdamW moments afresh.
@@ -180,7 +184,10 @@ class ParamShard:
                 p.copy_(params[name])
                 self._opt.state.pop(p, None)
                 if name in moments:
-                    self._opt.state[p] = {k: moments[name][k].detach().to(torch.float32).clone() for k in ("step", "exp_avg", "exp_avg_sq")}
+                    self._opt.state[p] = {
+                        k: moments[name][k].detach().to(torch.float32).clone()
+                        for k in ("step", "exp_avg", "exp_avg_sq")
+                    }
         self.version = int(state["version"])
         self.samples = int(state.get("samples", 0))
         self._bases = {}
@@ -189,16 +196,22 @@ class ParamShard:
         """Exactly this shard's names and shapes, as CPU fp32: a mismatch is a sharding bug upstream."""
         missing, extra = self._params.keys() - tensors.keys(), tensors.keys() - self._params.keys()
         if missing or extra:
-            raise ValueError(f"parameter names do not match this shard: missing {sorted(missing)}, unknown {sorted(extra)}")
+            raise ValueError(
+                f"parameter names do not match this shard: missing {sorted(missing)}, unknown {sorted(extra)}"
+            )
         for name, t in tensors.items():
             self._check_shape(name, t)
         return {n: t.detach().to("cpu", torch.float32) for n, t in tensors.items()}
 
     def _check_shape(self, name: str, t: torch.Tensor) -> None:
         if tuple(t.shape) != tuple(self._params[name].shape):
-            raise ValueError(f"parameter {name!r}: got shape {tuple(t.shape)}, expected {tuple(self._params[name].shape)}")
+            raise ValueError(
+                f"parameter {name!r}: got shape {tuple(t.shape)}, expected {tuple(self._params[name].shape)}"
+            )
 
-    def _fold(self, rnd: _Round, worker: int, base: int, grads: dict[str, torch.Tensor], samples: int, staleness: int) -> None:
+    def _fold(
+        self, rnd: _Round, worker: int, base: int, grads: dict[str, torch.Tensor], samples: int, staleness: int
+    ) -> None:
         if not rnd.pushers:
             rnd.timer = asyncio.get_running_loop().create_task(self._window(rnd))
             rnd.grads = {n: g.clone() for n, g in grads.items()}  # a copy: Ray's tensors may be read-only
@@ -230,7 +243,11 @@ class ParamShard:
 
     def _lagging(self, rnd: _Round) -> list[int]:
         """Computing members outside the round that one more version would push past max_staleness."""
-        return [w for w, base in self._bases.items() if w < self.workers and w not in rnd.pushers and base <= self.version - self.max_staleness]
+        return [
+            w
+            for w, base in self._bases.items()
+            if w < self.workers and w not in rnd.pushers and base <= self.version - self.max_staleness
+        ]
 
     def _close(self, by_window: bool) -> None:
         rnd = self._round

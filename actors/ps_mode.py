@@ -35,7 +35,9 @@ class PSTraining:
     workers), the data layout, the run's position (moved here), its log, the fault plan, a wait that fails the
     job on a lost worker (this mode has no recovery), and the evaluation and checkpoint to run at quiet points."""
 
-    def __init__(self, cfg: Config, team, data, at, log, faults, gather: Callable, evaluate: Callable, checkpoint: Callable):
+    def __init__(
+        self, cfg: Config, team, data, at, log, faults, gather: Callable, evaluate: Callable, checkpoint: Callable
+    ):
         self.cfg, self.team, self.data, self.at, self.log, self.faults = cfg, team, data, at, log, faults
         self.gather, self.evaluate, self.checkpoint = gather, evaluate, checkpoint
         self.per_worker = cfg.train.global_batch // len(team.workers)
@@ -54,19 +56,33 @@ class PSTraining:
         actor = ray.remote(ParamShard).options(num_cpus=0, max_concurrency=256, scheduling_strategy="SPREAD")
         optim = cfg.optim.model_dump()
         self.shards = [
-            actor.remote({n: params[n] for n in part}, optim, cfg.train.steps, len(workers), comm.ps_window_s, comm.ps_max_staleness, cfg.train.global_batch)
+            actor.remote(
+                {n: params[n] for n in part},
+                optim,
+                cfg.train.steps,
+                len(workers),
+                comm.ps_window_s,
+                comm.ps_max_staleness,
+                cfg.train.global_batch,
+            )
             for part in names
         ]
         if restored is not None:  # the optimizer moments travel with their parameters
             parts = [
-                {"version": at.step, "samples": at.cursor, "params": {n: params[n] for n in part}, "optim": {n: moments[n] for n in part if n in moments}}
+                {
+                    "version": at.step,
+                    "samples": at.cursor,
+                    "params": {n: params[n] for n in part},
+                    "optim": {n: moments[n] for n in part if n in moments},
+                }
                 for part in names
             ]
             self.gather([s.load.remote(part) for s, part in zip(self.shards, parts)], "shard load")
         self.gather([w.ps_attach.remote(self.shards, names, i) for i, w in enumerate(workers)], "shard attach")
 
     def run(self) -> None:
-        """Hand out batches until train.steps × global_batch samples are applied; evaluate and checkpoint at quiet points."""
+        """Hand out batches until train.steps × global_batch samples are applied; evaluate and checkpoint at quiet
+        points."""
         cfg, at = self.cfg, self.at
         if at.cursor != at.step * cfg.train.global_batch:
             raise JobError(
@@ -122,7 +138,11 @@ class PSTraining:
         record = Train(at.step, len(self.team.workers), samples, at.cursor)
         record.loss = sum(p["loss"] * p["samples"] for p in pushes) / samples
         record.lr, record.grad_norm = pushes[-1]["lr"], float(np.mean([p["grad_norm"] for p in pushes]))
-        record.step_time_s, record.tokens_per_s, record.mfu = elapsed, tokens_per_s, self.team.mfu(tokens_per_s, at.step)
+        record.step_time_s, record.tokens_per_s, record.mfu = (
+            elapsed,
+            tokens_per_s,
+            self.team.mfu(tokens_per_s, at.step),
+        )
         record.worker_s, record.shares = max(p["worker_s"] for p in pushes), [p["samples"] for p in pushes]
         record.extra = {
             "pushes": len(pushes),
@@ -135,7 +155,10 @@ class PSTraining:
     def state(self) -> tuple[dict, dict]:
         """Every shard's parameters and optimizer moments, merged by name."""
         states = self.gather([s.state.remote() for s in self.shards], "shard state")
-        return ({n: t for st in states for n, t in st["params"].items()}, {n: m for st in states for n, m in st["optim"].items()})
+        return (
+            {n: t for st in states for n, t in st["params"].items()},
+            {n: m for st in states for n, m in st["optim"].items()},
+        )
 
     def close(self) -> None:
         for s in self.shards:

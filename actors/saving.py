@@ -83,7 +83,9 @@ class Saver:
                 meta |= {"base": self.base["dir"], "base_step": self.base["step"]}
             background = self.cfg.checkpoint.async_save
             hashes = self.base["hashes"] if level == "light" else None
-            self._gather([w.checkpoint_begin.remote(path, level, hashes, background) for w in writers], workers, "checkpoint")
+            self._gather(
+                [w.checkpoint_begin.remote(path, level, hashes, background) for w in writers], workers, "checkpoint"
+            )
             self.saving = Save(path, meta, writers, started, time.perf_counter() - started)
             if not background or step == self.cfg.train.steps:
                 self.finish()
@@ -102,7 +104,9 @@ class Saver:
         save, self.saving = self.saving, None
         step = save.meta["step"]
         try:
-            results = self._gather([w.checkpoint_wait.remote() for w in save.writers], save.writers, f"checkpoint of step {step}")
+            results = self._gather(
+                [w.checkpoint_wait.remote() for w in save.writers], save.writers, f"checkpoint of step {step}"
+            )
         except (WorkersLost, JobError) as e:  # lost writers are found again by the next step
             return self._failed(step, e)
         if any(r is None for r in results):
@@ -114,7 +118,14 @@ class Saver:
             return self._failed(step, describe(e))
         if save.meta["level"] == "full":
             self.base = {"dir": posixpath.basename(save.path.rstrip("/")), "step": step, "hashes": results[0]["hashes"]}
-        record = Checkpoint(step, save.meta["level"], save.path, sum(f["bytes"] for f in files.values()), save.stall_s, time.perf_counter() - save.started)
+        record = Checkpoint(
+            step,
+            save.meta["level"],
+            save.path,
+            sum(f["bytes"] for f in files.values()),
+            save.stall_s,
+            time.perf_counter() - save.started,
+        )
         try:
             checkpoint.retain(self.uri, self.cfg.checkpoint.keep)
         except STORAGE_ERRORS as e:  # the save stands; older checkpoints stay until a later retention succeeds
@@ -137,19 +148,29 @@ class Saver:
         self.finish()
         ckpt = checkpoint.load_latest(self.uri)
         if ckpt is not None and ckpt.meta["config_hash"] != config_hash:
-            raise JobError(f"checkpoint {ckpt.path} was made by a different model/data/optimizer config; resume with the run's own config")
+            raise JobError(
+                f"checkpoint {ckpt.path} was made by a different model/data/optimizer config; resume with the run's "
+                "own config"
+            )
         return ckpt
 
     def resume_point(self, config_hash: str) -> RewindPoint:
         ckpt = self.latest(config_hash)
-        why = "the latest committed checkpoint" if ckpt is not None else f"no committed checkpoint under {self.uri}: from the start"
+        why = (
+            "the latest committed checkpoint"
+            if ckpt is not None
+            else f"no committed checkpoint under {self.uri}: from the start"
+        )
         return RewindPoint(ckpt, why)
 
     def rollback_point(self, config_hash: str, why: str, resume_hint: str) -> RewindPoint:
         """The last committed checkpoint, which `why` (a lost ZeRO-1 shard, a non-finite gradient) needs."""
         ckpt = self.latest(config_hash)
         if ckpt is None:
-            raise JobError(f"{why} needs a checkpoint to go back to, and there is none under {self.uri} yet; set checkpoint.every lower, then {resume_hint}")
+            raise JobError(
+                f"{why} needs a checkpoint to go back to, and there is none under {self.uri} yet; set checkpoint.every "
+                f"lower, then {resume_hint}"
+            )
         return RewindPoint(ckpt, "the latest committed checkpoint")
 
     def reached(self) -> int | None:

@@ -29,6 +29,10 @@ class Position:
     step: int = 0
     cursor: int = 0
 
+    def advance(self, batch: int) -> None:
+        """A step of `batch` samples committed."""
+        self.step, self.cursor = self.step + 1, self.cursor + batch
+
 
 @dataclass
 class StepReport:
@@ -101,20 +105,32 @@ class Stepper:
     def commit(self, at: Position, batch: int, reports: list[StepReport] | None, elapsed: float) -> None:
         """The step is done: the cursor moves on, and its record is written. Without reports when the
         survivors of a lost member committed it (their losses miss the lost one's share)."""
-        at.step, at.cursor = at.step + 1, at.cursor + batch
+        at.advance(batch)
         record = Train(at.step, len(self.team.workers), batch, at.cursor)
         if reports is not None:
             tokens_per_s = batch * self.cfg.model.seq_len / elapsed
             slowest = max(reports, key=lambda r: r.worker_s)  # the others waited for it
-            record.loss, record.lr, record.grad_norm, record.skipped = sum(r.loss for r in reports), reports[0].lr, reports[0].grad_norm, reports[0].skipped
+            record.loss, record.lr, record.grad_norm, record.skipped = (
+                sum(r.loss for r in reports),
+                reports[0].lr,
+                reports[0].grad_norm,
+                reports[0].skipped,
+            )
             record.tokens_per_s, record.step_time_s, record.worker_s = tokens_per_s, elapsed, slowest.worker_s
             record.mfu = self.team.mfu(tokens_per_s, at.step)
             record.shares = [r.samples for r in reports]
             record.speeds = [round(r.samples / max(r.compute_s, 1e-9), 2) for r in reports]
-            record.comm_bytes, record.dense_bytes = sum(r.comm_bytes for r in reports), sum(r.dense_bytes for r in reports)
+            record.comm_bytes, record.dense_bytes = (
+                sum(r.comm_bytes for r in reports),
+                sum(r.dense_bytes for r in reports),
+            )
             record.optimizer_bytes = [r.optimizer_bytes for r in reports]
             cost = self.data.cost([r.data for r in reports])
-            record.data_wait_s, record.cache_hits, record.cache_misses = cost["data_wait_s"], cost["cache_hits"], cost["cache_misses"]
+            record.data_wait_s, record.cache_hits, record.cache_misses = (
+                cost["data_wait_s"],
+                cost["cache_hits"],
+                cost["cache_misses"],
+            )
             record.fetched_bytes, record.fetched_shards = cost["fetched_bytes"], cost["fetched_shards"]
             # The step's wall time by part (STEP_PARTS), as the slowest worker spent it; "other" is the rest: dispatch,
             # the optimizer update, the commit. The checkpoint stall came before the step.

@@ -78,7 +78,13 @@ class TrainWorker:
 
     def info(self) -> dict:
         node = ray.get_runtime_context().get_node_id()
-        return {"pid": os.getpid(), "node": node, "params": self.model.num_params(), "applied": self.applied, "peak_flops": self.peak_flops}
+        return {
+            "pid": os.getpid(),
+            "node": node,
+            "params": self.model.num_params(),
+            "applied": self.applied,
+            "peak_flops": self.peak_flops,
+        }
 
     def warm_up(self) -> None:
         """One forward/backward on a dummy batch, so a pool worker's first real step runs at full
@@ -103,13 +109,19 @@ class TrainWorker:
     def host_store(self) -> tuple[str, int]:
         """Serve the TCPStore the group meets at (rank 0 of a generation does this)."""
         timeout = timedelta(seconds=self.cfg.timeouts.join_s)
-        self._store = dist.TCPStore(ray.util.get_node_ip_address(), 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        self._store = dist.TCPStore(
+            ray.util.get_node_ip_address(), 0, is_master=True, wait_for_workers=False, timeout=timeout
+        )
         return self._store.host, self._store.port
 
     def join(self, rank: int, world: int, host: str, port: int, generation: int) -> None:
         """Enter the process group of `generation` (a fresh store prefix per membership)."""
         timeouts = self.cfg.timeouts
-        store = self._store if rank == 0 else dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeouts.join_s))
+        store = (
+            self._store
+            if rank == 0
+            else dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeouts.join_s))
+        )
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,
@@ -124,7 +136,9 @@ class TrainWorker:
             return
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # Buffers (rotary tables) are the same everywhere by construction: no broadcast each forward.
-        self.ddp = DDP(self.model, device_ids=device_ids, bucket_cap_mb=self.cfg.comm.bucket_mb, forward_sync_buffers=False)
+        self.ddp = DDP(
+            self.model, device_ids=device_ids, bucket_cap_mb=self.cfg.comm.bucket_mb, forward_sync_buffers=False
+        )
         comm = self.cfg.comm
         self.sync = self.sync or GradSync(comm.compression, comm.topk_ratio, comm.powersgd_rank, comm.compress_start)
         self.sync.register(self.ddp)
@@ -134,7 +148,8 @@ class TrainWorker:
     def _shard_optimizer(self) -> None:
         """ZeRO-1 over the current group: keep only this rank's shard of the optimizer state.
         The full state (from a checkpoint, a peer, or this worker) is re-partitioned on every join."""
-        from torch.distributed.optim import ZeroRedundancyOptimizer  # ~1 s to import (it brings FSDP, DTensor): comm.zero only
+        # ~1 s to import (it brings FSDP, DTensor): comm.zero only
+        from torch.distributed.optim import ZeroRedundancyOptimizer
 
         full = self.optimizer.state_dict()
         sharded = ZeroRedundancyOptimizer(
@@ -169,10 +184,19 @@ class TrainWorker:
     def optimizer_bytes(self) -> int:
         """Optimizer state this worker holds (ZeRO-1 keeps 1/world of it)."""
         local = self.optimizer.optim if self.sharded else self.optimizer
-        return sum(t.numel() * t.element_size() for st in local.state.values() for t in st.values() if torch.is_tensor(t))
+        return sum(
+            t.numel() * t.element_size() for st in local.state.values() for t in st.values() if torch.is_tensor(t)
+        )
 
     def train_step(
-        self, step: int, ids: np.ndarray, global_batch: int, cursor: int, fault: dict | None = None, lr_scale: float = 1.0, max_norm: float = math.inf
+        self,
+        step: int,
+        ids: np.ndarray,
+        global_batch: int,
+        cursor: int,
+        fault: dict | None = None,
+        lr_scale: float = 1.0,
+        max_norm: float = math.inf,
     ) -> StepReport:
         """This worker's share of one optimizer step: forward/backward with the gradient sync
         overlapping it, then clip and update.
@@ -298,7 +322,10 @@ class TrainWorker:
         compute_s = time.perf_counter() - computing
         grads = {n: p.grad for n, p in self.model.named_parameters()}
         grad_norm = self._clip_sum(grads, len(ids))
-        pushes = [shard.push.remote(self.rank, version, {n: grads[n] for n in names}, len(ids)) for (shard, names), version in zip(self.ps, self.versions)]
+        pushes = [
+            shard.push.remote(self.rank, version, {n: grads[n] for n in names}, len(ids))
+            for (shard, names), version in zip(self.ps, self.versions)
+        ]
         applied = ray.get(pushes)
         lr = applied[0]["lr"]
         return {
@@ -314,8 +341,12 @@ class TrainWorker:
         }
 
     def _clip_sum(self, grads: dict, samples: int) -> float:
-        """Clip this worker's mean gradient to optim.grad_clip (each push is clipped on its own; the norm is returned)."""
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item() / samples
+        """Clip this worker's mean gradient to optim.grad_clip (each push is clipped on its own; the norm is
+        returned)."""
+        norm = (
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
+            / samples
+        )
         clip = self.cfg.optim.grad_clip
         if clip and norm > clip:
             for g in grads.values():
@@ -398,7 +429,9 @@ class TrainWorker:
             elif lead:
                 parts["optim.pt"] = _snapshot(self.optimizer.state_dict())
             if lead:
-                parts["extra.pt"] = _snapshot({"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()})
+                parts["extra.pt"] = _snapshot(
+                    {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+                )
         self._saving = self._writer.submit(self._write, path, level, parts, weights, base_hashes)
         if not background:  # written when this returns; checkpoint_wait hands over the files or the error
             wait([self._saving])
@@ -474,7 +507,9 @@ class TrainWorker:
 def spawn(cfg: Config, manifest: str, count: int) -> list:
     """Start `count` worker actors; they build their models in parallel."""
     cluster = cfg.cluster
-    remote = ray.remote(TrainWorker).options(num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker, max_restarts=0)
+    remote = ray.remote(TrainWorker).options(
+        num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker, max_restarts=0
+    )
     return [remote.remote(cfg.model_dump(), manifest) for _ in range(count)]
 
 

@@ -26,14 +26,18 @@ def coordinator(run: str):
     try:
         return ray.get_actor(name)
     except ValueError:
-        raise ConfigError(f"no running job {name!r} on this Ray cluster; is `etrain train` still running for {run}?") from None
+        raise ConfigError(
+            f"no running job {name!r} on this Ray cluster; is `etrain train` still running for {run}?"
+        ) from None
 
 
 def runs() -> list[str]:
     """Names of the jobs running on this Ray cluster."""
     _connect()
     named = ray.util.list_named_actors(all_namespaces=True)
-    return sorted(a["name"].split(":", 1)[1] for a in named if a["namespace"] == NAMESPACE and a["name"].startswith("etrain:"))
+    return sorted(
+        a["name"].split(":", 1)[1] for a in named if a["namespace"] == NAMESPACE and a["name"].startswith("etrain:")
+    )
 
 
 def status(run: str) -> dict:
@@ -42,7 +46,10 @@ def status(run: str) -> dict:
     except ray.exceptions.RayActorError:
         raise ConfigError(f"the job {Path(run).name!r} ended while being asked for its status") from None
     except ray.exceptions.GetTimeoutError:
-        raise ConfigError(f"the job {Path(run).name!r} did not answer within {CONNECT_S:.0f} s: its coordinator is hung or its node unreachable") from None
+        raise ConfigError(
+            f"the job {Path(run).name!r} did not answer within {CONNECT_S:.0f} s: its coordinator is hung or its node "
+            "unreachable"
+        ) from None
 
 
 def scale(run: str, workers: int) -> dict:

@@ -32,7 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"etrain: error: {e}", file=sys.stderr)
         return 2
     except Failure as e:  # raised in an actor: its own message, not Ray's traceback
-        print(f"etrain: {'training failed' if args.func is cmd_train else 'error'}: {getattr(e, 'cause', e)}", file=sys.stderr)
+        print(
+            f"etrain: {'training failed' if args.func is cmd_train else 'error'}: {getattr(e, 'cause', e)}",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         print(f"etrain: interrupted{getattr(args, 'resume_hint', '')}", file=sys.stderr)
@@ -45,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if ours and _ray_up():
-            sys.modules["ray"].shutdown()  # before the interpreter exits: Ray's threads torn down mid-exit dump C++ stacks
+            # before the interpreter exits: Ray's threads torn down mid-exit dump C++ stacks
+            sys.modules["ray"].shutdown()
 
 
 def _ray_up() -> bool:
@@ -53,7 +57,8 @@ def _ray_up() -> bool:
 
 
 def _log_traceback(error: BaseException, path: Path | None) -> Path:
-    path = path or Path.home() / ".cache" / "etrain" / "logs" / f"etrain-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    name = f"etrain-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    path = path or Path.home() / ".cache" / "etrain" / "logs" / name
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} etrain {' '.join(sys.argv[1:])}\n")
@@ -77,7 +82,14 @@ def cmd_train(args, started_at: float) -> int:
     args.resume_hint = f"; resume with `etrain train --resume {run_dir}`"
     print(f"run directory: {run_dir}", file=sys.stderr)
     with _logging_to(args.log_file):
-        summary = train(cfg, run_dir, resume=bool(args.resume), started_at=started_at, progress=not args.no_progress, log_every=args.log_every)
+        summary = train(
+            cfg,
+            run_dir,
+            resume=bool(args.resume),
+            started_at=started_at,
+            progress=not args.no_progress,
+            log_every=args.log_every,
+        )
     print(json.dumps(summary, indent=1))
     print(f"metrics: {run_dir / 'metrics.jsonl'}\nsummary: {run_dir / 'summary.json'}", file=sys.stderr)
     return 0
@@ -88,7 +100,8 @@ def _logging_to(path: Path):
     """The driver's log to `path` too, beside the terminal's lines."""
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    loggers = [logging.getLogger(), logging.getLogger("etrain.ray")]  # the second: Ray's paragraphs on dead workers, kept off the terminal
+    # the second: Ray's paragraphs on dead workers, kept off the terminal
+    loggers = [logging.getLogger(), logging.getLogger("etrain.ray")]
     for logger in loggers:
         logger.addHandler(handler)
     try:
@@ -104,7 +117,8 @@ def cmd_prepare(args, started_at: float) -> int:
     from app.job import connect
     from pipelines.prepare import open_output, prepare
 
-    sugar = [f"prepare.jsonl_field={args.field}"] * bool(args.field) + [f"prepare.parquet_column={args.column}"] * bool(args.column)
+    sugar = [f"prepare.jsonl_field={args.field}"] * bool(args.field)
+    sugar += [f"prepare.parquet_column={args.column}"] * bool(args.column)
     cfg = load_config(args.config, [*sugar, *args.set])
     storage = dict(_parse_option(o) for o in args.storage_option)
     open_output(args.out, storage)  # a wrong option or an unreachable endpoint, named before Ray starts
@@ -112,15 +126,22 @@ def cmd_prepare(args, started_at: float) -> int:
     report = prepare(args.src, args.out, cfg, overwrite=args.overwrite, storage=storage, progress=not args.no_progress)
     print(json.dumps(report, indent=1))
     out = args.out.rstrip("/")
-    print(f"manifest: {out}/manifest.json\nreport: {out}/report.json\nquarantine: {out}/quarantine.jsonl", file=sys.stderr)
-    print(f"train on it: etrain train --config {args.config or 'tiny'} --set data.source={out}/manifest.json", file=sys.stderr)
+    print(
+        f"manifest: {out}/manifest.json\nreport: {out}/report.json\nquarantine: {out}/quarantine.jsonl", file=sys.stderr
+    )
+    print(
+        f"train on it: etrain train --config {args.config or 'tiny'} --set data.source={out}/manifest.json",
+        file=sys.stderr,
+    )
     return 0
 
 
 def _parse_option(item: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
     if not sep or not key:
-        raise UsageError(f"--storage-option {item.split('=')[0]!r} must look like key=value (e.g. endpoint_url=http://127.0.0.1:9000)")
+        raise UsageError(
+            f"--storage-option {item.split('=')[0]!r} must look like key=value (e.g. endpoint_url=http://127.0.0.1:9000)"
+        )
     return key, value
 
 
@@ -140,7 +161,11 @@ def cmd_status(args, started_at: float) -> int:
         from app import api
 
         names = api.runs()
-        print("\n".join(_status_line(api.status(n)) for n in names) if names else "no etrain job is running on this Ray cluster")
+        print(
+            "\n".join(_status_line(api.status(n)) for n in names)
+            if names
+            else "no etrain job is running on this Ray cluster"
+        )
         return 0
     live = not args.once and not args.json
     clear = "\033[H\033[J" if live and sys.stdout.isatty() else ""
@@ -162,7 +187,8 @@ def _read_status(run: str) -> dict:
         return st
     if Path(run).is_dir():
         raise UsageError(
-            f"{run} has no status.json: the run started before etrain wrote one, or never formed its group; `etrain report {run}` summarises its records"
+            f"{run} has no status.json: the run started before etrain wrote one, or never formed its group; `etrain "
+            f"report {run}` summarises its records"
         )
     from app import api
 
@@ -171,7 +197,8 @@ def _read_status(run: str) -> dict:
 
 def _status_line(st: dict) -> str:
     loss = f"{st['loss']:.3f}" if st["loss"] is not None else "-"
-    return f"{st['run']}: {st['phase']} step {st['step']}/{st['total_steps']} loss {loss} workers {st['world_size']} ETA {_duration(st['eta_s'])}"
+    progress = f"step {st['step']}/{st['total_steps']} loss {loss} workers {st['world_size']}"
+    return f"{st['run']}: {st['phase']} {progress} ETA {_duration(st['eta_s'])}"
 
 
 def _status_text(st: dict) -> str:
@@ -182,13 +209,19 @@ def _status_text(st: dict) -> str:
 
     done = st["step"] / st["total_steps"]
     ckpt = st["last_checkpoint"]
-    ended = {"finished": "  (the job has ended)", "failed": f"  (the job failed: {st.get('failure')})"}.get(st["phase"], "")
+    ended = {"finished": "  (the job has ended)", "failed": f"  (the job failed: {st.get('failure')})"}.get(
+        st["phase"], ""
+    )
     quiet = st.get("updated_s_ago", 0) > 30 and not ended
     lines = [
-        f"run {st['run']}  ({st['run_dir']}){ended}" + (f"  (no update for {_duration(st['updated_s_ago'])}: is its driver alive?)" if quiet else ""),
-        f"  {st['phase']:<13} step {st['step']}/{st['total_steps']} ({done:.0%})  elapsed {_duration(st['elapsed_s'])}  ETA {_duration(st['eta_s'])}",
-        f"  loss {num(st['loss'], '.4f')}  eval loss {num(st['eval_loss'], '.4f')}  tokens/s {num(st['tokens_per_s'], ',.0f')}  MFU {num(st['mfu'], '.1%')}",
-        f"  workers {st['world_size']} (wanted {st['wanted']}{', autoscaling' if st['autoscaling'] else ''})  warm pool {st['warm_pool_ready']} ready"
+        f"run {st['run']}  ({st['run_dir']}){ended}"
+        + (f"  (no update for {_duration(st['updated_s_ago'])}: is its driver alive?)" if quiet else ""),
+        f"  {st['phase']:<13} step {st['step']}/{st['total_steps']} ({done:.0%})  elapsed {_duration(st['elapsed_s'])} "
+        f" ETA {_duration(st['eta_s'])}",
+        f"  loss {num(st['loss'], '.4f')}  eval loss {num(st['eval_loss'], '.4f')}  tokens/s "
+        f"{num(st['tokens_per_s'], ',.0f')}  MFU {num(st['mfu'], '.1%')}",
+        f"  workers {st['world_size']} (wanted {st['wanted']}{', autoscaling' if st['autoscaling'] else ''})  warm "
+        f"pool {st['warm_pool_ready']} ready"
         f"  recoveries {st['recoveries']}  group generation {st['generation']}  sync {st['comm']}",
         "  last checkpoint: " + (f"step {ckpt['step']} ({ckpt['level']}) {ckpt['path']}" if ckpt else "none yet"),
     ]
@@ -297,7 +330,9 @@ def cmd_tune(args, started_at: float) -> int:
     print(format_table(rows))
     print(f"trials: {out / 'trials.json'}", file=sys.stderr)
     if (out / "best.yaml").is_file():
-        print(f"best config: {out / 'best.yaml'}  (train it: etrain train --config {out / 'best.yaml'})", file=sys.stderr)
+        print(
+            f"best config: {out / 'best.yaml'}  (train it: etrain train --config {out / 'best.yaml'})", file=sys.stderr
+        )
     return 0
 
 
@@ -322,11 +357,15 @@ def _resume_config(run_dir: Path, overrides: list[str]):
 
     saved = run_dir / "config.yaml"
     if not saved.is_file():
-        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give the directory `etrain train` printed")
+        raise ConfigError(
+            f"{run_dir} is not a run directory (no config.yaml); give the directory `etrain train` printed"
+        )
     for item in overrides:
         key = item.partition("=")[0].strip()
         if not any(key == k or key.startswith(k + ".") for k in RESUMABLE):
-            raise ConfigError(f"--set {key} cannot change on resume (it changes what is trained); resumable: {', '.join(RESUMABLE)}")
+            raise ConfigError(
+                f"--set {key} cannot change on resume (it changes what is trained); resumable: {', '.join(RESUMABLE)}"
+            )
     cfg = load_config(str(saved), overrides)
     if overrides:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -352,13 +391,29 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     def command(name: str, func, help: str, *examples: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, formatter_class=_Help, epilog="examples:\n" + "\n".join(f"  {e}" for e in examples))
+        p = sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            formatter_class=_Help,
+            epilog="examples:\n" + "\n".join(f"  {e}" for e in examples),
+        )
         p.set_defaults(func=func)
         return p
 
     def with_config(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--config", "-c", help="preset name in configs/ (tiny, small, gpu-125m, gpu-1b) or a YAML file; none: the defaults")
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. train.steps=100 (repeatable)")
+        p.add_argument(
+            "--config",
+            "-c",
+            help="preset name in configs/ (tiny, small, gpu-125m, gpu-1b) or a YAML file; none: the defaults",
+        )
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config key, e.g. train.steps=100 (repeatable)",
+        )
 
     p = command(
         "train",
@@ -370,7 +425,13 @@ def _parser() -> argparse.ArgumentParser:
     with_config(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest committed checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines (events only)")
-    p.add_argument("--log-every", type=float, default=30.0, metavar="SECONDS", help="off a terminal (job logs): one progress line per interval")
+    p.add_argument(
+        "--log-every",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="off a terminal (job logs): one progress line per interval",
+    )
 
     p = command(
         "prepare",
@@ -380,17 +441,28 @@ def _parser() -> argparse.ArgumentParser:
         "etrain prepare s3://raw/crawl/ --out s3://bucket/corpus --storage-option endpoint_url=http://127.0.0.1:9000",
     )
     p.add_argument("src", nargs="+", help="text files, directories, globs, .jsonl or .parquet; local or s3://")
-    p.add_argument("--out", required=True, help="output directory or URI (shards, manifest.json, report.json, quarantine.jsonl)")
+    p.add_argument(
+        "--out", required=True, help="output directory or URI (shards, manifest.json, report.json, quarantine.jsonl)"
+    )
     with_config(p)
     p.add_argument("--field", help="JSONL key holding the text (prepare.jsonl_field; none: 'text')")
     p.add_argument("--column", help="Parquet column holding the text (prepare.parquet_column; none: 'text')")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output")
     p.add_argument(
-        "--storage-option", action="append", default=[], metavar="KEY=VALUE", help="fsspec option for s3:// (endpoint_url, key, secret ...); never logged"
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec option for s3:// (endpoint_url, key, secret ...); never logged",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    p = command("scale", cmd_scale, "resize a running job at its next step boundary", "etrain scale runs/20261129-123456 --workers 3")
+    p = command(
+        "scale",
+        cmd_scale,
+        "resize a running job at its next step boundary",
+        "etrain scale runs/20261129-123456 --workers 3",
+    )
     p.add_argument("run", help="the run directory (or its name)")
     p.add_argument("--workers", type=int, required=True, help="workers wanted")
 
@@ -402,7 +474,9 @@ def _parser() -> argparse.ArgumentParser:
         "etrain status runs/20261129-123456",
         "etrain status runs/20261129-123456 --json",
     )
-    p.add_argument("run", nargs="?", help="the run directory (read from its status.json), or a running job's name (asked of Ray)")
+    p.add_argument(
+        "run", nargs="?", help="the run directory (read from its status.json), or a running job's name (asked of Ray)"
+    )
     p.add_argument("--once", action="store_true", help="print the view once and exit")
     p.add_argument("--json", action="store_true", help="print the status as JSON once (for scripts)")
     p.add_argument("--every", type=float, default=2.0, help="seconds between refreshes of the live view")
@@ -425,9 +499,13 @@ def _parser() -> argparse.ArgumentParser:
         "etrain cluster down",
     )
     p.add_argument(
-        "action", choices=["up", "env", "down"], help="start it, print the exports its clients need, or stop it (its processes only, never `ray stop`)"
+        "action",
+        choices=["up", "env", "down"],
+        help="start it, print the exports its clients need, or stop it (its processes only, never `ray stop`)",
     )
-    p.add_argument("--cpus", type=int, default=1, help="CPUs of the head (the autoscaler adds 2-CPU nodes: cluster-fake.yaml)")
+    p.add_argument(
+        "--cpus", type=int, default=1, help="CPUs of the head (the autoscaler adds 2-CPU nodes: cluster-fake.yaml)"
+    )
     p.add_argument("--no-autoscaler", action="store_true", help="a plain head, without the fake multi-node autoscaler")
 
     p = command(
@@ -452,14 +530,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, default=20, help="trials to run")
     p.add_argument("--concurrency", type=int, default=1, help="trials at once (each takes cluster.num_workers workers)")
     p.add_argument("--out", default="tune", help="the search's directory: study, trials' runs, trials.json, best.yaml")
-    p.add_argument("--seed", type=int, default=0, help="the sampler's seed (with --concurrency 1 a search repeats exactly)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="the sampler's seed (with --concurrency 1 a search repeats exactly)"
+    )
     p.add_argument("--sampler", choices=["tpe", "random"], default="tpe", help="TPE (multivariate) or random search")
     p.add_argument("--no-pruning", action="store_true", help="run every trial to the end (no ASHA)")
-    p.add_argument("--resume", action="store_true", help="continue the search in --out; finished trials are not run again")
+    p.add_argument(
+        "--resume", action="store_true", help="continue the search in --out; finished trials are not run again"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = command(
-        "config", cmd_config, "print the resolved config, and the model's size and memory per worker", "etrain config --config small --set optim.lr=1e-3"
+        "config",
+        cmd_config,
+        "print the resolved config, and the model's size and memory per worker",
+        "etrain config --config small --set optim.lr=1e-3",
     )
     with_config(p)
     return parser

@@ -35,7 +35,9 @@ def connect(address: str | None, timeout_s: float, num_cpus: int | None = None) 
         return
     if address is None:
         # "local": a new instance even when a stale ray_current_cluster names a dead one.
-        ray.init(address="local", num_cpus=num_cpus, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+        ray.init(
+            address="local", num_cpus=num_cpus, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False
+        )
     else:
         if not address.startswith("ray://"):  # Ray Client: its own connection with its own timeout
             address = probe(address, timeout_s)
@@ -94,6 +96,7 @@ def probe(address: str, timeout_s: float) -> str:
         raise ConfigError(f"the Ray cluster at {target} refused this client's token: {TOKEN_HELP}") from None
     except ray.exceptions.RpcError:
         raise ConfigError(
-            f"{target} accepts connections but no Ray GCS answered within {timeout_s:.0f} s (timeouts.connect_s): not a Ray head, or one that is hung"
+            f"{target} accepts connections but no Ray GCS answered within {timeout_s:.0f} s (timeouts.connect_s): not "
+            "a Ray head, or one that is hung"
         ) from None
     return target

@@ -2,7 +2,7 @@
 
 Under `ray job submit` or with RAY_ADDRESS set it joins that cluster; otherwise
 it starts a local Ray instance (token authentication on, Ray's default). A run
-has one driver at a time: its lease (app/lease.py) is taken before anything starts.
+has one driver at a time: its lease (app/core/lease.py) is taken before anything starts.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def new_run_dir(cfg: Config) -> Path:
     name = cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = durable(Path(cfg.run.root).expanduser().resolve() / name, "run.root")
     if run_dir.exists():
-        raise ConfigError(f"run directory {run_dir} already exists; pick another run.name, or continue it with --resume {run_dir}")
+        raise ConfigError(
+            f"run directory {run_dir} already exists; pick another run.name, or continue it with --resume {run_dir}"
+        )
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     return run_dir
@@ -66,10 +68,14 @@ def resolve_data(cfg: Config) -> str:
     manifest = training_manifest(cfg.data.source)
     if manifest["seq_len"] != cfg.model.seq_len:
         raise ConfigError(
-            f"data {cfg.data.source} is packed at seq_len {manifest['seq_len']}, but model.seq_len={cfg.model.seq_len}; set model.seq_len={manifest['seq_len']}"
+            f"data {cfg.data.source} is packed at seq_len {manifest['seq_len']}, but "
+            f"model.seq_len={cfg.model.seq_len}; set model.seq_len={manifest['seq_len']}"
         )
     if manifest["vocab_size"] > cfg.model.vocab_size:
-        raise ConfigError(f"data {cfg.data.source} uses {manifest['vocab_size']} token ids, but model.vocab_size={cfg.model.vocab_size}")
+        raise ConfigError(
+            f"data {cfg.data.source} uses {manifest['vocab_size']} token ids, but "
+            f"model.vocab_size={cfg.model.vocab_size}"
+        )
     return cfg.data.source
 
 
@@ -98,12 +104,15 @@ def train(
     on_eval: Callable[[dict], None] | None = None,
     log_every: float = 30.0,
 ) -> dict:
-    """Run (or resume) a job to its end; `on_eval` sees each evaluation record as it happens (a Tune trial reports them).
+    """Run (or resume) a job to its end; `on_eval` sees each evaluation record as it happens (a Tune trial reports
+    them).
     The run's lease is taken first: a run another live driver is training is refused (RunBusy)."""
     started_at = started_at or time.time()
     run_dir = durable(Path(run_dir).resolve(), "the run directory")
-    if cfg.checkpoint.uri and "://" not in cfg.checkpoint.uri:  # the coordinator's working directory is not the driver's
-        cfg = override(cfg, {"checkpoint.uri": str(durable(Path(cfg.checkpoint.uri).expanduser().resolve(), "checkpoint.uri"))})
+    if cfg.checkpoint.uri and "://" not in cfg.checkpoint.uri:  # the coordinator's working directory is not ours
+        cfg = override(
+            cfg, {"checkpoint.uri": str(durable(Path(cfg.checkpoint.uri).expanduser().resolve(), "checkpoint.uri"))}
+        )
     lease = acquire(checkpoint_uri(cfg, run_dir), run_dir.name, cfg.timeouts.lease_s)
     try:
         return _run(cfg, run_dir, resume, started_at, Progress(cfg.train.steps, progress, log_every), on_eval, lease)
@@ -120,7 +129,9 @@ def _run(cfg: Config, run_dir: Path, resume: bool, started_at: float, progress: 
         check_memory(cfg)
         workers = worker_module.result().spawn(cfg, manifest, cfg.cluster.num_workers)
     _wait_for_name(f"etrain:{run_dir.name}", cfg.timeouts.close_s)
-    coordinator = ray.remote(Coordinator).options(name=f"etrain:{run_dir.name}", num_cpus=0, max_concurrency=4, scheduling_strategy=_beside_driver())
+    coordinator = ray.remote(Coordinator).options(
+        name=f"etrain:{run_dir.name}", num_cpus=0, max_concurrency=4, scheduling_strategy=_beside_driver()
+    )
     coordinator = coordinator.remote(cfg.model_dump(), str(run_dir), manifest, started_at, workers, lease)
     try:
         done = coordinator.run.remote(resume)
@@ -130,7 +141,8 @@ def _run(cfg: Config, run_dir: Path, resume: bool, started_at: float, progress: 
         if e.actor_init_failed:
             raise JobError(f"the job's coordinator could not start: {why(e)}") from None
         raise JobError(
-            f"the job's coordinator died ({why(e)}): its process was killed or its node was lost; resume with `etrain train --resume {run_dir}`"
+            f"the job's coordinator died ({why(e)}): its process was killed or its node was lost; resume with `etrain "
+            f"train --resume {run_dir}`"
         ) from None
     finally:
         ray.kill(coordinator)
@@ -142,7 +154,9 @@ def connect(cfg: Config, jobs: int = 1) -> None:
     """Join cluster.address (or RAY_ADDRESS, as under `ray job submit`), or start a local instance with logical
     CPUs for every worker and the warm pool of `jobs` jobs (trials), even on a 2-core laptop."""
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS") or None
-    cpus = max(os.cpu_count() or 1, jobs * cfg.cluster.cpus_per_worker * (cfg.cluster.num_workers + cfg.cluster.warm_pool) + 1)
+    cpus = max(
+        os.cpu_count() or 1, jobs * cfg.cluster.cpus_per_worker * (cfg.cluster.num_workers + cfg.cluster.warm_pool) + 1
+    )
     cluster.connect(address, cfg.timeouts.connect_s, num_cpus=None if address else cpus)
 
 
@@ -180,7 +194,9 @@ def _beside_driver():
     group (a Tune trial's), in its first bundle, so the workers it starts later stay in the group."""
     group = ray.util.get_current_placement_group()
     if group is not None:
-        return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
+        return PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+        )
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
@@ -193,7 +209,8 @@ def _follow(coordinator, done, cfg: Config, progress: Progress, on_eval: Callabl
                 phase, events = ray.get(coordinator.poll.remote(), timeout=cfg.timeouts.join_s)
             except ray.exceptions.GetTimeoutError:  # it answers polls between steps and during them: it is frozen
                 raise JobError(
-                    f"the job's coordinator has not answered for {cfg.timeouts.join_s:.0f} s (timeouts.join_s): its process is hung or its node unreachable"
+                    f"the job's coordinator has not answered for {cfg.timeouts.join_s:.0f} s (timeouts.join_s): its "
+                    "process is hung or its node unreachable"
                 ) from None
             progress.phase(phase)
             for e in events:
@@ -222,4 +239,7 @@ def _show(e: dict, progress: Progress) -> None:
         progress.event(f"step {e['step']}: warning: the checkpoint was not written ({e['error']}); training goes on")
     elif kind == "membership":
         phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in e["phases"].items())
-        progress.event(f"step {e['step']}: {e['reason']} {e['world_before']} -> {e['world_after']} workers in {e['total_s']:.2f} s ({phases})")
+        progress.event(
+            f"step {e['step']}: {e['reason']} {e['world_before']} -> {e['world_after']} workers in {e['total_s']:.2f} "
+            f"s ({phases})"
+        )

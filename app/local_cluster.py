@@ -67,15 +67,36 @@ class LocalCluster:
 
     def env(self) -> dict[str, str]:
         """What a client of this cluster needs: `ray job submit`, `etrain status`, a driver."""
-        return {"RAY_ADDRESS": self.address, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "RAY_API_SERVER_ADDRESS": self.dashboard}
+        return {
+            "RAY_ADDRESS": self.address,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": self.token,
+            "RAY_API_SERVER_ADDRESS": self.dashboard,
+        }
 
     def start(self, timeout: float = 60) -> None:
         workdir = Path(self.workdir)
         bin_dir = Path(sys.executable).parent
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # not another Ray's settings
-        env |= {"PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
-        cmd = [str(bin_dir / "ray"), "start", "--head", "--block", f"--port={self.port}", f"--num-cpus={self.head_cpus}", f"--temp-dir={self.temp_dir}"]
-        cmd += ["--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={free_port()}"]
+        env |= {
+            "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": self.token,
+        }
+        cmd = [
+            str(bin_dir / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={self.port}",
+            f"--num-cpus={self.head_cpus}",
+            f"--temp-dir={self.temp_dir}",
+        ]
+        cmd += [
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={free_port()}",
+        ]
         cmd += ["--node-manager-port=0", "--object-manager-port=0", "--min-worker-port=0", "--max-worker-port=0"]
         # Ports of their own: another Ray on this machine may hold the defaults (the job agent's 52365 above all).
         cmd += [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}"]
@@ -93,7 +114,9 @@ class LocalCluster:
         while not self._dashboard_up():
             if head.poll() is not None or time.time() > deadline:
                 self.stop()
-                raise Failure(f"the Ray head did not start within {timeout:.0f} s: {(workdir / 'head.log').read_text()[-2000:]}")
+                raise Failure(
+                    f"the Ray head did not start within {timeout:.0f} s: {(workdir / 'head.log').read_text()[-2000:]}"
+                )
             time.sleep(0.5)
 
     def _dashboard_up(self) -> bool:
@@ -156,7 +179,9 @@ class LocalCluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | self.env() | {"PATH": path}
         done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if check and done.returncode:
-            raise AssertionError(f"{' '.join(args)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            raise AssertionError(
+                f"{' '.join(args)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            )
         return done
 
 
@@ -169,7 +194,9 @@ def up(head_cpus: int, fake: bool) -> LocalCluster:
     if STATE.is_file():
         running = LocalCluster(**json.loads(STATE.read_text()))
         if running.processes():
-            raise UsageError(f"a cluster started by `etrain cluster up` is running at {running.address}; `etrain cluster down` first")
+            raise UsageError(
+                f"a cluster started by `etrain cluster up` is running at {running.address}; `etrain cluster down` first"
+            )
     cluster = LocalCluster.new(STATE.parent / "cluster", head_cpus, fake)
     cluster.start()
     STATE.write_text(json.dumps(asdict(cluster)))
@@ -180,7 +207,9 @@ def up(head_cpus: int, fake: bool) -> LocalCluster:
 def down() -> LocalCluster:
     """`etrain cluster down`: stop the head `etrain cluster up` started, and its fake nodes."""
     if not STATE.is_file():
-        raise UsageError("no cluster started by `etrain cluster up` is known here (nothing in ~/.cache/etrain/cluster.json)")
+        raise UsageError(
+            "no cluster started by `etrain cluster up` is known here (nothing in ~/.cache/etrain/cluster.json)"
+        )
     cluster = LocalCluster(**json.loads(STATE.read_text()))
     cluster.stop()
     STATE.unlink()

@@ -49,7 +49,12 @@ class Progress:
         if self.bar is not None:
             self.bar.update(record["step"] - self.bar.n)
             if record.get("loss") is not None:
-                self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", world=record["world_size"], refresh=False)
+                self.bar.set_postfix(
+                    loss=f"{record['loss']:.3f}",
+                    tok_s=f"{record['tokens_per_s']:.0f}",
+                    world=record["world_size"],
+                    refresh=False,
+                )
         elif self.enabled and time.monotonic() >= self.next_line:
             self._line()
 
@@ -81,7 +86,8 @@ class Progress:
         speed = f"tokens/s {r['tokens_per_s']:,.0f}  " if r.get("tokens_per_s") else ""
         print(
             f"step {r['step']}/{self.total} ({r['step'] / self.total:.0%})  {loss}{speed}workers {r['world_size']}  "
-            f"elapsed {tqdm.format_interval(time.monotonic() - self.started)}  ETA {tqdm.format_interval(eta) if eta is not None else '-'}",
+            f"elapsed {tqdm.format_interval(time.monotonic() - self.started)}  ETA "
+            f"{tqdm.format_interval(eta) if eta is not None else '-'}",
             file=sys.stderr,
             flush=True,
         )

@@ -19,8 +19,15 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-REASON_COLORS = {"start": "tab:gray", "scale-out": "tab:green", "scale-in": "tab:orange", "recover": "tab:red", "preemption": "tab:purple"}
-SPLIT = tuple(f"{part}_s" for part in STEP_PARTS if part != "checkpoint_stall")  # they sum to step_time_s (the stall came before)
+REASON_COLORS = {
+    "start": "tab:gray",
+    "scale-out": "tab:green",
+    "scale-in": "tab:orange",
+    "recover": "tab:red",
+    "preemption": "tab:purple",
+}
+# they sum to step_time_s (the stall came before)
+SPLIT = tuple(f"{part}_s" for part in STEP_PARTS if part != "checkpoint_stall")
 
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> dict:
@@ -205,7 +212,13 @@ def _world_size(records: list[dict], t0: float) -> Figure:
     wanted = _of(records, "autoscale")
     if wanted:
         until = max(train[-1]["time"], wanted[-1]["time"]) - t0  # the last wish holds to the end
-        ax.step([r["time"] - t0 for r in wanted] + [until], [r["wanted"] for r in wanted] + [wanted[-1]["wanted"]], where="post", ls="--", label="wanted")
+        ax.step(
+            [r["time"] - t0 for r in wanted] + [until],
+            [r["wanted"] for r in wanted] + [wanted[-1]["wanted"]],
+            where="post",
+            ls="--",
+            label="wanted",
+        )
         ax.legend()
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(0, max([r["world_size"] for r in train] + [r["wanted"] for r in wanted]) + 1)
@@ -227,7 +240,10 @@ def _grad_norm(records: list[dict]) -> Figure:
     if log:
         hist.set_xscale("log")
         series.set_yscale("log")
-    for marked, style, label in (([r for r in done if r.get("skipped")], "rx", "skipped"), (_of(records, "outlier"), "o", "outlier")):
+    for marked, style, label in (
+        ([r for r in done if r.get("skipped")], "rx", "skipped"),
+        (_of(records, "outlier"), "o", "outlier"),
+    ):
         if marked:
             series.plot([r["step"] for r in marked], [r["grad_norm"] for r in marked], style, mfc="none", label=label)
             series.legend(fontsize=8)
@@ -280,10 +296,14 @@ def _html(name: str, summary: dict, plots: dict[str, Path]) -> str:
         ("recoveries (recover, resume, rollback)", summary["recoveries"]),
     ]
     table = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
-    images = "\n".join(f'<p><img alt="{html.escape(k)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"></p>' for k, p in plots.items())
+    images = "\n".join(
+        f'<p><img alt="{html.escape(k)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"></p>'
+        for k, p in plots.items()
+    )
     title = html.escape(f"Run report: {name}")
     return (
         f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{title}</title>\n<style>'
-        "body{font-family:sans-serif;max-width:860px;margin:auto} th{text-align:left;padding-right:2em} img{max-width:100%}"
+        "body{font-family:sans-serif;max-width:860px;margin:auto} th{text-align:left;padding-right:2em} "
+        "img{max-width:100%}"
         f"</style></head>\n<body>\n<h1>{title}</h1>\n<table>\n{table}\n</table>\n{images}\n</body></html>\n"
     )

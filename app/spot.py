@@ -24,10 +24,14 @@ IMDS = "http://169.254.169.254"
 
 def interruption(imds: str, timeout: float = 2.0) -> dict | None:
     """The pending spot interruption ({"action": ..., "time": ...}), or None. IMDSv2: token first."""
-    token_req = urllib.request.Request(f"{imds}/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+    token_req = urllib.request.Request(
+        f"{imds}/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"}
+    )
     with urllib.request.urlopen(token_req, timeout=timeout) as r:
         token = r.read().decode()
-    req = urllib.request.Request(f"{imds}/latest/meta-data/spot/instance-action", headers={"X-aws-ec2-metadata-token": token})
+    req = urllib.request.Request(
+        f"{imds}/latest/meta-data/spot/instance-action", headers={"X-aws-ec2-metadata-token": token}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())

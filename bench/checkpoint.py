@@ -28,7 +28,14 @@ from app.core.records import read_jsonl
 from app.job import new_run_dir, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODEL = ["model.n_layer=8", "model.n_head=8", "model.d_model=512", "model.seq_len=64", "train.global_batch=2", "train.micro_batch=1"]
+MODEL = [
+    "model.n_layer=8",
+    "model.n_head=8",
+    "model.d_model=512",
+    "model.seq_len=64",
+    "train.global_batch=2",
+    "train.micro_batch=1",
+]
 
 
 def config(name: str, root: Path, data_dir: str, uri: str | None, steps: int, *overrides: str):
@@ -51,7 +58,9 @@ def records(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == kind]
 
 
-def run(name: str, root: Path, data_dir: str, uri: str | None, steps: int, *overrides: str, crash: bool = False) -> Path:
+def run(
+    name: str, root: Path, data_dir: str, uri: str | None, steps: int, *overrides: str, crash: bool = False
+) -> Path:
     cfg = config(name, root, data_dir, uri, steps, *overrides)
     run_dir = new_run_dir(cfg)
     started = time.perf_counter()
@@ -88,10 +97,14 @@ def resume(run_dir: Path, root: Path, data_dir: str, uri: str | None, steps: int
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--every", type=int, default=4, help="steps between full saves (light saves: every step in between)")
+    parser.add_argument(
+        "--every", type=int, default=4, help="steps between full saves (light saves: every step in between)"
+    )
     parser.add_argument("--uri", help="where checkpoints go (default: each run's directory on local disk)")
     parser.add_argument("--model", nargs="*", default=None, help="model overrides (default: the ~25 M GPT)")
-    parser.add_argument("--data", default=str(Path.home() / ".cache/etrain/data"), help="where the embedded corpus is built")
+    parser.add_argument(
+        "--data", default=str(Path.home() / ".cache/etrain/data"), help="where the embedded corpus is built"
+    )
     parser.add_argument("--out", default=str(RESULTS / "checkpoint.json"), help="results file ('' to skip)")
     args = parser.parse_args(argv)
     if args.model is not None:
@@ -106,7 +119,13 @@ def main(argv: list[str] | None = None) -> dict:
         asyn = run("async", *common, n, f"checkpoint.every={every}", "checkpoint.async_save=true")
         # Light saves between full ones; a worker killed in the last step leaves a light checkpoint the newest.
         light = run(
-            "light", *common, n, f"checkpoint.every={every * 2}", "checkpoint.light_every=1", f"faults=[{{kind: kill, step: {n}, rank: 1}}]", crash=True
+            "light",
+            *common,
+            n,
+            f"checkpoint.every={every * 2}",
+            "checkpoint.light_every=1",
+            f"faults=[{{kind: kill, step: {n}, rank: 1}}]",
+            crash=True,
         )
         saves = records(light, "checkpoint")
         results = {

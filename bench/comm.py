@@ -85,7 +85,11 @@ def compare(results: dict) -> dict:
     out = {}
     if "static" in results:
         static = results["static"]["samples_per_s"]
-        out |= {f"{k}_vs_static_throughput": results[k]["samples_per_s"] / static for k in ("balanced", "ps", "ps_short_window") if k in results}
+        out |= {
+            f"{k}_vs_static_throughput": results[k]["samples_per_s"] / static
+            for k in ("balanced", "ps", "ps_short_window")
+            if k in results
+        }
         out |= {
             f"{k}_eval_loss_vs_static": results[k]["eval_loss"] / results["static"]["eval_loss"] - 1
             for k in ("balanced", "ps", "ps_short_window")
@@ -96,10 +100,14 @@ def compare(results: dict) -> dict:
         for k in ("fp16", "bf16", "powersgd", "topk"):
             if k in results:
                 out[f"{k}_bytes_vs_none"] = results[k]["bytes_per_worker_step"] / none["bytes_per_worker_step"]
-                out[f"{k}_bytes_vs_none_compressing"] = results[k]["last_step_bytes_per_worker"] / none["last_step_bytes_per_worker"]
+                out[f"{k}_bytes_vs_none_compressing"] = (
+                    results[k]["last_step_bytes_per_worker"] / none["last_step_bytes_per_worker"]
+                )
                 out[f"{k}_eval_loss_change"] = results[k]["eval_loss"] / none["eval_loss"] - 1
         if "zero" in results:
-            out["zero_optimizer_bytes_vs_replicated"] = results["zero"]["optimizer_bytes_per_worker"] / none["optimizer_bytes_per_worker"]
+            out["zero_optimizer_bytes_vs_replicated"] = (
+                results["zero"]["optimizer_bytes_per_worker"] / none["optimizer_bytes_per_worker"]
+            )
     return out
 
 
@@ -108,12 +116,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=300, help="steps of each compression / ZeRO run")
     parser.add_argument("--straggler-steps", type=int, default=60, help="steps of each straggler run")
     parser.add_argument("--only", nargs="*", choices=[*STRAGGLER, *SYNC], help="run only these variants")
-    parser.add_argument("--data", default=str(Path.home() / ".cache/etrain/data"), help="where the embedded corpus is built")
+    parser.add_argument(
+        "--data", default=str(Path.home() / ".cache/etrain/data"), help="where the embedded corpus is built"
+    )
     parser.add_argument("--out", default=str(RESULTS / "comm.json"), help="results file ('' to skip)")
     args = parser.parse_args(argv)
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
-    variants = {k: (v, args.straggler_steps) for k, v in STRAGGLER.items()} | {k: (v, args.steps) for k, v in SYNC.items()}
+    variants = {k: (v, args.straggler_steps) for k, v in STRAGGLER.items()} | {
+        k: (v, args.steps) for k, v in SYNC.items()
+    }
     results = {}
     with tempfile.TemporaryDirectory(prefix="etrain-bench-comm-") as root:
         for name, (overrides, steps) in variants.items():
@@ -122,11 +134,15 @@ def main(argv: list[str] | None = None) -> dict:
             started = time.perf_counter()
             results[name] = run_variant(name, overrides, steps, Path(root), args.data)
             print(
-                f"{name:>9}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in results[name].items()})} "
+                f"{name:>9}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in results[name].items()})} "  # noqa: E501
                 f"({time.perf_counter() - started:.0f} s)",
                 flush=True,
             )
-    report = {"machine": "2 cores, tiny GPT (2 layers, 128 wide), 2 workers, gloo", "variants": results, "ratios": compare(results)}
+    report = {
+        "machine": "2 cores, tiny GPT (2 layers, 128 wide), 2 workers, gloo",
+        "variants": results,
+        "ratios": compare(results),
+    }
     print(json.dumps(report["ratios"], indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -47,7 +47,12 @@ def start_s3() -> str:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
     ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False).start()
     os.environ.update(
-        {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+        {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
     )
     boto3.client("s3").create_bucket(Bucket="bench")
     return "s3://bench"
@@ -61,7 +66,13 @@ def make_shards(local: Path, shards: int, shard_mb: int) -> str:
         writer.add(rng.integers(1, 256, (rows, SEQ + 1), dtype=np.uint8), [[f"random#{i}"] for i in range(rows)])
     writer.flush()
     write_manifest(
-        str(local), seq_len=SEQ, dtype="uint8", vocab_size=256, tokenizer="bytes", splits={"train": writer.shards, "eval": []}, source={"kind": "bench"}
+        str(local),
+        seq_len=SEQ,
+        dtype="uint8",
+        vocab_size=256,
+        tokenizer="bytes",
+        splits={"train": writer.shards, "eval": []},
+        source={"kind": "bench"},
     )
     return str(local / "manifest.json")
 
@@ -135,7 +146,9 @@ def read_ray_data(manifest: str) -> dict:
     paths = [f"{root}/{s['path']}" for s in read_manifest(manifest)["splits"]["train"]["shards"]]
 
     def to_tensor(batch):
-        return torch.from_numpy(np.frombuffer(b"".join(batch["tokens"]), np.uint8).reshape(len(batch["tokens"]), SEQ + 1))
+        return torch.from_numpy(
+            np.frombuffer(b"".join(batch["tokens"]), np.uint8).reshape(len(batch["tokens"]), SEQ + 1)
+        )
 
     started, nbytes, first = time.perf_counter(), 0, None
     for batch in ray.data.read_parquet(paths).iter_torch_batches(batch_size=BATCH, collate_fn=to_tensor):
@@ -193,13 +206,15 @@ def main() -> None:
     print(f"direct pyarrow, local disk      {results['direct_local']['mb_per_s']:8.0f} MB/s", flush=True)
     results["ours_s3"] = read_ours(remote, 2, str(tmp / "cache"))
     print(
-        f"ours, S3 through 3-shard cache  {results['ours_s3']['mb_per_s']:8.0f} MB/s  hit rate {results['ours_s3']['hit_rate']:.1%}"
+        f"ours, S3 through 3-shard cache  {results['ours_s3']['mb_per_s']:8.0f} MB/s  hit rate "
+        f"{results['ours_s3']['hit_rate']:.1%}"
         f"  join→first batch {results['ours_s3']['join_first_batch_s'] * 1000:.0f} ms",
         flush=True,
     )
     results["ray_data_s3"] = read_ray_data(remote)
     print(
-        f"Ray Data read_parquet, S3       {results['ray_data_s3']['mb_per_s']:8.0f} MB/s  first batch {results['ray_data_s3']['first_batch_s']:.1f} s",
+        f"Ray Data read_parquet, S3       {results['ray_data_s3']['mb_per_s']:8.0f} MB/s  first batch "
+        f"{results['ray_data_s3']['first_batch_s']:.1f} s",
         flush=True,
     )
     results["training"] = train_wait_share(bucket, tmp)

@@ -86,7 +86,7 @@ def ray_train_loop(config: dict) -> None:
     if checkpoint := ray.train.get_checkpoint():
         with checkpoint.as_directory() as d:
             state = torch.load(Path(d) / "state.pt", weights_only=True)
-        model.module.load_state_dict(state["model"]) if hasattr(model, "module") else model.load_state_dict(state["model"])
+        (model.module if hasattr(model, "module") else model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start = state["step"]
@@ -104,10 +104,17 @@ def ray_train_loop(config: dict) -> None:
                 if rank == 0:
                     inner = model.module if hasattr(model, "module") else model
                     torch.save(
-                        {"model": inner.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step + 1},
+                        {
+                            "model": inner.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "scheduler": scheduler.state_dict(),
+                            "step": step + 1,
+                        },
                         Path(d) / "state.pt",
                     )
-                ray.train.report({"step": step + 1}, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
+                ray.train.report(
+                    {"step": step + 1}, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None
+                )
 
 
 def run_ray_train(args) -> dict:
@@ -134,14 +141,20 @@ def run_ray_train(args) -> dict:
         ray_train_loop,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(storage_path=str(work / "storage"), name="bench", failure_config=FailureConfig(max_failures=1)),
+        run_config=RunConfig(
+            storage_path=str(work / "storage"), name="bench", failure_config=FailureConfig(max_failures=1)
+        ),
     )
     trainer.fit()
     steps = [json.loads(line) for line in (work / "steps.jsonl").read_text().splitlines()]
     killed = float((work / "killed").read_text())
     after = [s for s in steps if s["time"] > killed]
     back = next(s for s in after if s["step"] == args.kill_at)
-    return {"recovery_s": back["time"] - killed, "steps_redone": len(steps) - args.steps, "steps": len({s["step"] for s in steps})}
+    return {
+        "recovery_s": back["time"] - killed,
+        "steps_redone": len(steps) - args.steps,
+        "steps": len({s["step"] for s in steps}),
+    }
 
 
 # -- ours -----------------------------------------------------------------------
@@ -153,7 +166,9 @@ def run_ours(args) -> dict:
     from app.job import new_run_dir, train
 
     fault = f"faults=[{{rank: 1, step: {args.kill_at}, kind: kill}}]"
-    cfg = load_config("tiny", [*overrides(args), "cluster.warm_pool=1", fault, f"run.root={tempfile.mkdtemp(prefix='ours-')}"])
+    cfg = load_config(
+        "tiny", [*overrides(args), "cluster.warm_pool=1", fault, f"run.root={tempfile.mkdtemp(prefix='ours-')}"]
+    )
     run_dir = new_run_dir(cfg)
     train(cfg, run_dir, progress=False)
     records = read_jsonl(run_dir / "metrics.jsonl")
@@ -273,7 +288,12 @@ def run_ours_grow(args) -> dict:
     return grow(args, start, world_of)
 
 
-VARIANTS = {"raytrain": run_ray_train, "ours": run_ours, "raytrain-grow": run_ray_train_grow, "ours-grow": run_ours_grow}
+VARIANTS = {
+    "raytrain": run_ray_train,
+    "ours": run_ours,
+    "raytrain-grow": run_ray_train_grow,
+    "ours-grow": run_ours_grow,
+}
 
 
 def measure(args, variant: str) -> dict:
@@ -281,7 +301,14 @@ def measure(args, variant: str) -> dict:
     launched = time.time()
     # Its own process group: a variant that leaves mid-run (the node-added ones) leaves Ray processes
     # behind, and they go with the group.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     stdout, stderr = proc.communicate()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -314,9 +341,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--kill-at", type=int, default=90, help="1-based step at which rank 1 dies")
     p.add_argument("--ckpt-every", type=int, default=25, help="Ray Train's checkpoint interval (steps)")
-    p.add_argument("--grow-timeout", type=float, default=240, help="longest wait for a step at 2 workers after the node")
+    p.add_argument(
+        "--grow-timeout", type=float, default=240, help="longest wait for a step at 2 workers after the node"
+    )
     p.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "etrain-bench-data"))
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every variant; the figures are their medians")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds of every variant; the figures are their medians"
+    )
     p.add_argument("--only", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="variants to run")
     p.add_argument("--variant", choices=VARIANTS)
     args = p.parse_args()
@@ -328,27 +359,50 @@ def main() -> None:
         for variant in args.only:
             r = measure(args, variant)
             runs[variant].append(r)
-            print(f"round {round_ + 1}  {variant:13s} {METRIC[variant]} {r[METRIC[variant]]:6.2f} s   run {r['wall_s']:6.1f} s", flush=True)
+            print(
+                f"round {round_ + 1}  {variant:13s} {METRIC[variant]} {r[METRIC[variant]]:6.2f} s   run "
+                f"{r['wall_s']:6.1f} s",
+                flush=True,
+            )
     rows = {v: summary(rs) for v, rs in runs.items()}
     ratios = {}
-    for ours, theirs, key in (("ours", "raytrain", "recovery_s"), ("ours", "raytrain", "wall_s"), ("ours-grow", "raytrain-grow", "scale_out_s")):
+    for ours, theirs, key in (
+        ("ours", "raytrain", "recovery_s"),
+        ("ours", "raytrain", "wall_s"),
+        ("ours-grow", "raytrain-grow", "scale_out_s"),
+    ):
         if ours in rows and theirs in rows:
             ratios[f"ours_vs_raytrain_{key}"] = rows[ours][key]["median"] / rows[theirs][key]["median"]
     for variant, row in rows.items():
         figure = row[METRIC[variant]]
-        print(f"{variant:13s} {METRIC[variant]:12s} median {figure['median']:6.2f} s  (spread {figure['min']:.2f}-{figure['max']:.2f})")
+        print(
+            f"{variant:13s} {METRIC[variant]:12s} median {figure['median']:6.2f} s  (spread "
+            f"{figure['min']:.2f}-{figure['max']:.2f})"
+        )
     for name, value in ratios.items():
         print(f"{name:32s} {value:6.3f}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "elastic.json"
-    out.write_text(json.dumps({"args": vars(args), "rows": rows, "runs": runs, "ratios": ratios, "when": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
+    out.write_text(
+        json.dumps(
+            {"args": vars(args), "rows": rows, "runs": runs, "ratios": ratios, "when": time.strftime("%Y-%m-%d %H:%M")},
+            indent=1,
+        )
+    )
     print(f"written: {out}")
 
 
 def summary(runs: list[dict]) -> dict:
     """Each numeric figure of a variant's rounds: median, min and max."""
     keys = [k for k, v in runs[0].items() if isinstance(v, int | float)]
-    return {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs), "max": max(r[k] for r in runs)} for k in keys}
+    return {
+        k: {
+            "median": statistics.median(r[k] for r in runs),
+            "min": min(r[k] for r in runs),
+            "max": max(r[k] for r in runs),
+        }
+        for k in keys
+    }
 
 
 if __name__ == "__main__":

@@ -39,8 +39,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60, help="training steps per trial")
     parser.add_argument("--concurrency", type=int, default=2)
-    parser.add_argument("--set", action="append", default=[], help="extra config overrides (the tests shrink the corpus)")
-    parser.add_argument("--data", default=str(Path.home() / ".cache/etrain/data"), help="where the embedded corpus is built")
+    parser.add_argument(
+        "--set", action="append", default=[], help="extra config overrides (the tests shrink the corpus)"
+    )
+    parser.add_argument(
+        "--data", default=str(Path.home() / ".cache/etrain/data"), help="where the embedded corpus is built"
+    )
     parser.add_argument("--out", default=str(RESULTS / "hpo.json"), help="results file ('' to skip)")
     args = parser.parse_args(argv)
     from tune.space import parameter
@@ -59,7 +63,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     space = {k: parameter(k, v, base) for k, v in SPACE.items()}
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=max(4, args.concurrency * 2), include_dashboard=False, logging_level="warning")
+        ray.init(
+            address="local", num_cpus=max(4, args.concurrency * 2), include_dashboard=False, logging_level="warning"
+        )
     base = override(base, {"data.source": resolve_data(base)})
     runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="etrain-bench-hpo-") as tmp:
@@ -89,9 +95,16 @@ def main(argv: list[str] | None = None) -> dict:
                     "wall_s": time.perf_counter() - started,
                 }
                 runs[name].append(run)
-                print(f"seed {seed} {name:>15}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in run.items()})}", flush=True)
+                print(
+                    f"seed {seed} {name:>15}: "
+                    f"{json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in run.items()})}",
+                    flush=True,
+                )
     mean = {
-        name: {"best_eval_loss": statistics.mean(r["best_eval_loss"] for r in rs), "trial_steps": statistics.mean(r["trial_steps"] for r in rs)}
+        name: {
+            "best_eval_loss": statistics.mean(r["best_eval_loss"] for r in rs),
+            "trial_steps": statistics.mean(r["trial_steps"] for r in rs),
+        }
         for name, rs in runs.items()
     }
     ratios = {

@@ -150,7 +150,8 @@ def run_ray_train(args) -> list[float]:
 
     cfg = load_config("tiny", overrides(args, args.workers, args.cpus))
     manifest = ensure_corpus(cfg)
-    ray.init(address="local", num_cpus=args.workers * args.cpus, logging_level="warning")  # as `etrain` does: dashboard on
+    # as `etrain` does: dashboard on
+    ray.init(address="local", num_cpus=args.workers * args.cpus, logging_level="warning")
     out = Path(tempfile.mkdtemp(prefix="raytrain-")) / "times.json"
     trainer = TorchTrainer(
         ray_train_loop,
@@ -167,7 +168,9 @@ def run_ours(args) -> list[float]:
     from app.core.records import read_jsonl
     from app.job import new_run_dir, train
 
-    cfg = load_config("tiny", [*overrides(args, args.workers, args.cpus), f"run.root={tempfile.mkdtemp(prefix='ours-')}"])
+    cfg = load_config(
+        "tiny", [*overrides(args, args.workers, args.cpus), f"run.root={tempfile.mkdtemp(prefix='ours-')}"]
+    )
     run_dir = new_run_dir(cfg)
     train(cfg, run_dir, progress=False)
     return [r["time"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
@@ -180,7 +183,17 @@ VARIANTS = {"plain": run_plain, "raytrain": run_ray_train, "ours": run_ours}
 
 
 def measure(args, variant: str, workers: int, cpus: int) -> dict:
-    cmd = [sys.executable, __file__, "--variant", variant, "--workers", str(workers), "--cpus", str(cpus), *forward(args)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--variant",
+        variant,
+        "--workers",
+        str(workers),
+        "--cpus",
+        str(cpus),
+        *forward(args),
+    ]
     launched = time.time()
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if out.returncode:
@@ -236,7 +249,11 @@ def main() -> None:
         for variant, workers, cpus in plan:
             rows.append({**measure(args, variant, workers, cpus), "round": round_})
             r = rows[-1]
-            print(f"round {round_}  {variant:9s} workers={workers} {r['tokens_per_s']:9.0f} tok/s   first step {r['first_step_s']:5.1f} s", flush=True)
+            print(
+                f"round {round_}  {variant:9s} workers={workers} {r['tokens_per_s']:9.0f} tok/s   first step "
+                f"{r['first_step_s']:5.1f} s",
+                flush=True,
+            )
     report(rows, args)
 
 

@@ -39,7 +39,8 @@ from pipelines.shards import ShardError, read_manifest
 
 log = logging.getLogger(__name__)
 
-RETRIES = 5  # transient download errors (an object store's brief outage), with exponential backoff from 0.5 s: 7.5 s in all
+# transient download errors (an object store's brief outage), with exponential backoff from 0.5 s: 7.5 s in all
+RETRIES = 5
 
 
 class ShardCache:
@@ -57,7 +58,15 @@ class ShardCache:
         self._present: dict[int, Future] = {}  # shard -> download (done or in flight)
         self._pins: dict[int, Counter] = {}  # shard -> its holders and their pin counts
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="shard-fetch")
-        self.stats_ = {"hits": 0, "misses": 0, "fetched_shards": 0, "fetched_bytes": 0, "evicted": 0, "overflows": 0, "retries": 0}
+        self.stats_ = {
+            "hits": 0,
+            "misses": 0,
+            "fetched_shards": 0,
+            "fetched_bytes": 0,
+            "evicted": 0,
+            "overflows": 0,
+            "retries": 0,
+        }
 
     def acquire(self, shard: int, cursor: int, holder: str) -> dict:
         """Pin `shard` for `holder`, wait until it is on local disk, and prefetch what comes next after `cursor`."""
@@ -113,7 +122,11 @@ class ShardCache:
         if shard not in self._present:
             if len(self._present) >= self.capacity and not self._evict_for(shard, cursor):
                 self.stats_["overflows"] += 1
-                log.warning("shard cache full of pinned shards; holding %d over capacity %d", len(self._present) + 1, self.capacity)
+                log.warning(
+                    "shard cache full of pinned shards; holding %d over capacity %d",
+                    len(self._present) + 1,
+                    self.capacity,
+                )
             self._present[shard] = self._pool.submit(self._download, shard)
         return self._present[shard]
 

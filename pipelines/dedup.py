@@ -47,7 +47,10 @@ def bands_for(threshold: float, num_perm: int) -> tuple[int, int]:
 
 
 def band_keys(sig: np.ndarray, bands: int, rows: int) -> list[str]:
-    return [f"{i}:{hashlib.blake2b(sig[i * rows : (i + 1) * rows].tobytes(), digest_size=8).hexdigest()}" for i in range(bands)]
+    return [
+        f"{i}:{hashlib.blake2b(sig[i * rows : (i + 1) * rows].tobytes(), digest_size=8).hexdigest()}"
+        for i in range(bands)
+    ]
 
 
 def similarity(a: np.ndarray, b: np.ndarray) -> float:

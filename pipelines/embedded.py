@@ -102,7 +102,12 @@ def build(out: Path, params: dict) -> dict:
     for split, docs in streams.items():
         writers[split].add(*pack_rows(docs, names[split], row_len))
         writers[split].flush()
-    source = {"kind": "embedded-stdlib", "documents": {s: len(n) for s, n in names.items()}, "raw_bytes": total, **params}
+    source = {
+        "kind": "embedded-stdlib",
+        "documents": {s: len(n) for s, n in names.items()},
+        "raw_bytes": total,
+        **params,
+    }
     return write_manifest(
         str(out),
         seq_len=params["seq_len"],

@@ -37,16 +37,26 @@ from pipelines.shards import SplitWriter, pack_rows, write_manifest
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
-STAGES = ("reading, normalising, filtering", "exact duplicates", "near duplicates (MinHash)", "tokenising, packing, writing shards", "manifest and report")
+STAGES = (
+    "reading, normalising, filtering",
+    "exact duplicates",
+    "near duplicates (MinHash)",
+    "tokenising, packing, writing shards",
+    "manifest and report",
+)
 
 
-def prepare(srcs: list[str], out: str, cfg: Config, overwrite: bool = False, storage: dict | None = None, progress: bool = True) -> dict:
+def prepare(
+    srcs: list[str], out: str, cfg: Config, overwrite: bool = False, storage: dict | None = None, progress: bool = True
+) -> dict:
     """Each stage is a Ray Data run with its own per-operator progress; the stage bar says which of them is running."""
     storage = storage or {}
     fs, root = open_output(out, storage)
     if fs.exists(root) and fs.ls(root):
         if not overwrite:
-            raise ConfigError(f"output {out} exists and is not empty; pass --overwrite to replace it, or choose another --out")
+            raise ConfigError(
+                f"output {out} exists and is not empty; pass --overwrite to replace it, or choose another --out"
+            )
         if "://" in out:
             fs.rm(root, recursive=True)  # object storage is written in place: clear it first
     files, missing = expand(srcs, storage)
@@ -54,7 +64,9 @@ def prepare(srcs: list[str], out: str, cfg: Config, overwrite: bool = False, sto
     context.enable_progress_bars = progress
     # Ray 2.60's default shuffle (SHUFFLE_V2) fails on the empty blocks a filter leaves ("No match for FieldRef").
     context.shuffle_strategy = ray.data.context.ShuffleStrategy.HASH_SHUFFLE
-    with tqdm(total=len(STAGES), unit="stage", desc=f"prepare: {STAGES[0]}", disable=not progress, file=sys.stderr) as stages:
+    with tqdm(
+        total=len(STAGES), unit="stage", desc=f"prepare: {STAGES[0]}", disable=not progress, file=sys.stderr
+    ) as stages:
 
         def next_stage(index: int, **counts) -> None:
             stages.set_description(f"prepare: {STAGES[index]}", refresh=False)
@@ -71,8 +83,12 @@ def prepare(srcs: list[str], out: str, cfg: Config, overwrite: bool = False, sto
         next_stage(2, exact_duplicates=len(exact))
         near = _near_duplicates(unique, cfg.prepare, parts)
         final = unique.filter(lambda r: r["doc_id"] not in near)
-        duplicates = {d: ("duplicate_exact", of) for d, of in exact.items()} | {d: ("duplicate_near", of) for d, of in near.items()}
-        rejected = _quarantine(docs, duplicates) + [{"doc_id": -1, "path": p, "row": 0, "reason": "unreadable", "detail": why} for p, why in missing]
+        duplicates = {d: ("duplicate_exact", of) for d, of in exact.items()} | {
+            d: ("duplicate_near", of) for d, of in near.items()
+        }
+        rejected = _quarantine(docs, duplicates) + [
+            {"doc_id": -1, "path": p, "row": 0, "reason": "unreadable", "detail": why} for p, why in missing
+        ]
         next_stage(3, rejected=len(rejected))
         staging = _staging(out, fs, root)
         packed = (
@@ -82,7 +98,9 @@ def prepare(srcs: list[str], out: str, cfg: Config, overwrite: bool = False, sto
             .take_all()
         )
         next_stage(4, shards=sum(len(json.loads(r["entries"])) for r in packed))
-        report = _finish(out, staging, fs, root, cfg, packed, rejected, read=docs.count() + len(missing), storage=storage)
+        report = _finish(
+            out, staging, fs, root, cfg, packed, rejected, read=docs.count() + len(missing), storage=storage
+        )
         stages.update()
     return report
 
@@ -94,11 +112,13 @@ def open_output(out: str, storage: dict):
         fs.exists(root)  # an object store's client is made here, with the options
     except TypeError as e:
         raise ConfigError(
-            f"--storage-option for {out}: {e}; pass options of its fsspec filesystem (for s3://: endpoint_url, key, secret, client_kwargs, ...)"
+            f"--storage-option for {out}: {e}; pass options of its fsspec filesystem (for s3://: endpoint_url, key, "
+            "secret, client_kwargs, ...)"
         ) from None
     except STORAGE_ERRORS as e:
         raise StorageError(
-            f"cannot reach the output {out}: {describe(e)}; check the endpoint (--storage-option endpoint_url=..., or AWS_ENDPOINT_URL) and the credentials"
+            f"cannot reach the output {out}: {describe(e)}; check the endpoint (--storage-option endpoint_url=..., or "
+            "AWS_ENDPOINT_URL) and the credentials"
         ) from None
     return fs, root
 
@@ -134,8 +154,20 @@ def read_documents(file: dict, cfg: PrepareConfig, storage: dict) -> list[dict]:
             data = f.read()
         texts = list(_texts(data, file["format"], cfg))
     except Exception as e:  # one unreadable input is reported, never fatal
-        return [{**base, "doc_id": file["file_id"] << 32, "row": 0, "raw": None, "reason": "unreadable", "detail": f"{type(e).__name__}: {e}"}]
-    return [{**base, "doc_id": (file["file_id"] << 32) + row, "row": row, "raw": text, "reason": why, "detail": None} for row, (text, why) in enumerate(texts)]
+        return [
+            {
+                **base,
+                "doc_id": file["file_id"] << 32,
+                "row": 0,
+                "raw": None,
+                "reason": "unreadable",
+                "detail": f"{type(e).__name__}: {e}",
+            }
+        ]
+    return [
+        {**base, "doc_id": (file["file_id"] << 32) + row, "row": row, "raw": text, "reason": why, "detail": None}
+        for row, (text, why) in enumerate(texts)
+    ]
 
 
 def _texts(data: bytes, fmt: str, cfg: PrepareConfig):
@@ -165,8 +197,19 @@ def inspect(doc: dict, cfg: Config) -> dict:
     reason = doc["reason"] or quality.reject_reason(text, cfg.prepare)
     keep = reason is None
     perms = dedup.permutations(cfg.prepare.minhash_perms)
-    sig = dedup.signature(text, cfg.prepare.ngram, perms) if keep else np.zeros(cfg.prepare.minhash_perms, dtype=np.uint64)
-    return {**doc, "text": text if keep else "", "reason": reason, "sha": hashlib.sha256(text.encode()).hexdigest(), "sig": sig, "chars": len(text)}
+    sig = (
+        dedup.signature(text, cfg.prepare.ngram, perms)
+        if keep
+        else np.zeros(cfg.prepare.minhash_perms, dtype=np.uint64)
+    )
+    return {
+        **doc,
+        "text": text if keep else "",
+        "reason": reason,
+        "sha": hashlib.sha256(text.encode()).hexdigest(),
+        "sig": sig,
+        "chars": len(text),
+    }
 
 
 # -- deduplication ---------------------------------------------------------------
@@ -182,7 +225,12 @@ def _exact_duplicates(kept, parts: int) -> dict[int, int]:
         ids = sorted(group["doc_id"].tolist())
         return {"doc_id": ids[1:], "of": [ids[0]] * (len(ids) - 1)}
 
-    rows = kept.select_columns(["sha", "doc_id"]).groupby("sha", num_partitions=parts).map_groups(later_copies, batch_format="pandas").take_all()
+    rows = (
+        kept.select_columns(["sha", "doc_id"])
+        .groupby("sha", num_partitions=parts)
+        .map_groups(later_copies, batch_format="pandas")
+        .take_all()
+    )
     return {int(r["doc_id"]): int(r["of"]) for r in rows}
 
 
@@ -190,15 +238,26 @@ def _near_duplicates(unique, cfg: PrepareConfig, parts: int) -> dict[int, int]:
     bands, rows = dedup.bands_for(cfg.near_dup_threshold, cfg.minhash_perms)
 
     def keys(doc):
-        return [{"band": k, "doc_id": doc["doc_id"], "sig": doc["sig"]} for k in dedup.band_keys(doc["sig"], bands, rows)]
+        return [
+            {"band": k, "doc_id": doc["doc_id"], "sig": doc["sig"]} for k in dedup.band_keys(doc["sig"], bands, rows)
+        ]
 
     def pairs(group):
         ids, sigs = group["doc_id"].tolist(), group["sig"].tolist()
-        found = [(ids[i], ids[j]) for i in range(len(ids)) for j in range(i + 1, len(ids)) if dedup.similarity(sigs[i], sigs[j]) >= cfg.near_dup_threshold]
+        found = [
+            (ids[i], ids[j])
+            for i in range(len(ids))
+            for j in range(i + 1, len(ids))
+            if dedup.similarity(sigs[i], sigs[j]) >= cfg.near_dup_threshold
+        ]
         return {"a": [a for a, _ in found], "b": [b for _, b in found]}
 
     candidates = (
-        unique.select_columns(["doc_id", "sig"]).flat_map(keys).groupby("band", num_partitions=parts).map_groups(pairs, batch_format="pandas").take_all()
+        unique.select_columns(["doc_id", "sig"])
+        .flat_map(keys)
+        .groupby("band", num_partitions=parts)
+        .map_groups(pairs, batch_format="pandas")
+        .take_all()
     )
     roots = dedup.clusters([(int(r["a"]), int(r["b"])) for r in candidates])
     return {d: root for d, root in roots.items() if d != root}
@@ -212,7 +271,12 @@ def assign(doc: dict, cfg: Config) -> dict:
     split = "eval" if int(doc["sha"][:8], 16) / 2**32 < cfg.data.eval_fraction else "train"
     short, long_ = cfg.prepare.length_buckets
     bucket = "short" if doc["chars"] < short else "medium" if doc["chars"] < long_ else "long"
-    return {"doc_id": doc["doc_id"], "text": doc["text"], "name": f"{doc['path']}#{doc['row']}", "group": f"{split}/{doc['source']}.{bucket}"}
+    return {
+        "doc_id": doc["doc_id"],
+        "text": doc["text"],
+        "name": f"{doc['path']}#{doc['row']}",
+        "group": f"{split}/{doc['source']}.{bucket}",
+    }
 
 
 def pack(group, out: str, cfg: Config, storage: dict):
@@ -227,7 +291,12 @@ def pack(group, out: str, cfg: Config, storage: dict):
     writer.flush()
     entries = [{**s, "logical": logical} for s in writer.shards]
     total = sum(len(d) for d in docs)
-    return {"split": [split], "entries": [json.dumps(entries)], "tokens": [rows.size], "dropped_tokens": [total - rows.size]}
+    return {
+        "split": [split],
+        "entries": [json.dumps(entries)],
+        "tokens": [rows.size],
+        "dropped_tokens": [total - rows.size],
+    }
 
 
 def _staging(out: str, fs, root: str) -> str:
@@ -237,7 +306,9 @@ def _staging(out: str, fs, root: str) -> str:
     return str(Path(root).with_name(f".{Path(root).name}.tmp-{uuid.uuid4().hex[:8]}"))
 
 
-def _finish(out, staging, fs, root, cfg: Config, packed: list[dict], rejected: list[dict], read: int, storage: dict) -> dict:
+def _finish(
+    out, staging, fs, root, cfg: Config, packed: list[dict], rejected: list[dict], read: int, storage: dict
+) -> dict:
     splits: dict[str, list[dict]] = {"train": [], "eval": []}
     for row in packed:
         splits[row["split"]] += json.loads(row["entries"])
@@ -258,7 +329,8 @@ def _finish(out, staging, fs, root, cfg: Config, packed: list[dict], rejected: l
     }
     if not splits["train"]:
         raise ConfigError(
-            f"no training data left: {report['documents_rejected']} of {read} documents rejected ({dict(reasons)}); see the thresholds under prepare.*"
+            f"no training data left: {report['documents_rejected']} of {read} documents rejected ({dict(reasons)}); "
+            "see the thresholds under prepare.*"
         )
     sfs, sroot = fsspec.core.url_to_fs(staging, **storage)
     sfs.makedirs(sroot, exist_ok=True)

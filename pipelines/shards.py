@@ -81,7 +81,15 @@ class SplitWriter:
 
 
 def write_manifest(
-    out: str, *, seq_len: int, dtype: str, vocab_size: int, tokenizer: str, splits: dict[str, list[dict]], source: dict, storage: dict | None = None
+    out: str,
+    *,
+    seq_len: int,
+    dtype: str,
+    vocab_size: int,
+    tokenizer: str,
+    splits: dict[str, list[dict]],
+    source: dict,
+    storage: dict | None = None,
 ) -> dict:
     manifest = {
         "format": FORMAT,
@@ -89,7 +97,9 @@ def write_manifest(
         "vocab_size": vocab_size,
         "token_dtype": dtype,
         "seq_len": seq_len,
-        "splits": {name: {"samples": sum(s["samples"] for s in shards), "shards": shards} for name, shards in splits.items()},
+        "splits": {
+            name: {"samples": sum(s["samples"] for s in shards), "shards": shards} for name, shards in splits.items()
+        },
         "source": source,
     }
     with fsspec.open(posixpath.join(out, "manifest.json"), "w", **(storage or {})) as f:
@@ -104,7 +114,9 @@ def read_manifest(uri: str) -> dict:
     except FileNotFoundError:
         raise ShardError(f"manifest {uri} not found; run `etrain prepare` or set data.source=embedded") from None
     except IsADirectoryError:
-        raise ShardError(f"{uri} is a directory; point data.source at the manifest in it: {uri.rstrip('/')}/manifest.json") from None
+        raise ShardError(
+            f"{uri} is a directory; point data.source at the manifest in it: {uri.rstrip('/')}/manifest.json"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ShardError(f"manifest {uri} is not valid JSON ({e}); re-run `etrain prepare`") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -163,7 +175,9 @@ class ShardReader:
         if index in self._cache:
             self._cache.move_to_end(index)
             return self._cache[index]
-        rows = load_shard(posixpath.join(self.root, self.shards[index]["path"]), self.shards[index], self.row_len, self.dtype)
+        rows = load_shard(
+            posixpath.join(self.root, self.shards[index]["path"]), self.shards[index], self.row_len, self.dtype
+        )
         self._cache[index] = rows
         while len(self._cache) > self.cache_shards:
             self._cache.popitem(last=False)
@@ -195,7 +209,9 @@ def load_shard(uri: str, entry: dict, row_len: int, dtype: np.dtype) -> np.ndarr
     with fsspec.open(uri, "rb") as f:
         data = f.read()
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise ShardError(f"shard {uri} does not match its manifest sha256; it is corrupt or was replaced: re-run `etrain prepare`")
+        raise ShardError(
+            f"shard {uri} does not match its manifest sha256; it is corrupt or was replaced: re-run `etrain prepare`"
+        )
     return decode(pq.ParquetFile(pa.BufferReader(data)).read(columns=["tokens"]), row_len, dtype)
 
 
@@ -204,4 +220,6 @@ def decode(table: pa.Table, row_len: int, dtype: np.dtype) -> np.ndarray:
     column = table.column("tokens").combine_chunks()
     buf = column.buffers()[1]
     width = row_len * dtype.itemsize
-    return np.frombuffer(buf, dtype=dtype, count=len(column) * row_len, offset=column.offset * width).reshape(len(column), row_len)
+    return np.frombuffer(buf, dtype=dtype, count=len(column) * row_len, offset=column.offset * width).reshape(
+        len(column), row_len
+    )

@@ -1,15 +1,19 @@
-"""One local Ray instance per test session, a local S3 server, a shared small corpus."""
+"""One local Ray instance per test session, a local S3 server, a shared small corpus; the tiers.
+
+Every test is in one tier, by what it needs: `e2e` starts processes of its own beside the session
+(a Ray head, a notebook kernel), `ray` uses the session's Ray instance, `unit` neither (no Ray at
+all: `make test-unit` runs these in seconds)."""
 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import ray
 from faults import S3Faults
 
 from app.core.config import Config, load_config
+from app.local_cluster import free_port
 
 
 @pytest.fixture(scope="session")
@@ -62,10 +66,13 @@ def s3_bucket(s3_server, request) -> str:
     return f"s3://{name}"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+E2E = ("test_cluster_e2e.py", "test_notebooks.py")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        tier = "e2e" if item.path.name in E2E else "ray" if "ray_session" in item.fixturenames else "unit"
+        item.add_marker(tier)
 
 
 @pytest.fixture(scope="session")

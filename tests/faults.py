@@ -127,7 +127,8 @@ def _read_body(request) -> bytes | None:
 
 def _error(request, status: int) -> None:
     code = {403: "AccessDenied", 500: "InternalError", 503: "SlowDown"}.get(status, "InternalError")
-    body = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>injected by tests/faults.py</Message></Error>'.encode()
+    message = "<Message>injected by tests/faults.py</Message>"
+    body = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>{message}</Error>'.encode()
     request.send_response(status)
     request.send_header("Content-Type", "application/xml")
     request.send_header("Content-Length", str(len(body)))

@@ -89,3 +89,13 @@ def wait_for_step(run_dir: Path, step: int, driver: subprocess.Popen) -> None:
         assert driver.poll() is None, f"the driver ended before step {step}: {driver.stderr.read()}"
         assert time.time() < deadline, f"no step {step} within 120 s"
         time.sleep(0.05)
+
+
+def wait_until(what: str, predicate, timeout: float = 120, every: float = 0.05):
+    """`predicate()`'s first true value, polled every `every` seconds; an assertion error after `timeout`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

@@ -58,8 +58,10 @@ def test_joiners_start_at_the_mean_and_leavers_are_forgotten():
     b = balancer()
     b.observe("a", 10, 0.1)
     b.observe("slow", 10, 1.0)
-    b.forget(["a"])
-    assert b.weights(["a", "new"]) == [1.0, 1.0]
+    assert b.weights(["a", "new"]) == [1.0, 1.0]  # a joiner starts at the mean of the measured
+    b.forget(["a"])  # "slow" left the group (back to the pool) ...
+    # ... and when it joins again it is measured afresh, not split by its old speed
+    assert b.weights(["a", "slow"]) == [1.0, 1.0]
 
 
 def test_disabled_never_rebalances():

@@ -18,7 +18,7 @@ from pipelines.embedded import ensure_corpus
 from pipelines.shards import ShardError, ShardReader, read_manifest
 from pipelines.stream import StreamingReader
 
-pytestmark = pytest.mark.usefixtures("ray_session")
+ray_test = pytest.mark.usefixtures("ray_session")
 
 
 @pytest.fixture
@@ -29,7 +29,11 @@ def corpus(make_cfg) -> str:
 def start_cache(manifest: str, tmp_path: Path, capacity: int = 3, block: int = 1, seed: int = 0):
     sizes = tuple(s["samples"] for s in read_manifest(manifest)["splits"]["train"]["shards"])
     layout = order.Layout(seed, sizes, block)
-    cache = ray.remote(ShardCache).options(num_cpus=0, max_concurrency=8).remote(manifest, layout, capacity, str(tmp_path / "cache"))
+    cache = (
+        ray.remote(ShardCache)
+        .options(num_cpus=0, max_concurrency=8)
+        .remote(manifest, layout, capacity, str(tmp_path / "cache"))
+    )
     return cache, layout
 
 
@@ -42,6 +46,7 @@ def consume(reader: StreamingReader, layout: order.Layout, epochs: int, batch: i
     return stats
 
 
+@ray_test
 def test_streams_exact_rows_within_capacity_with_high_hit_rate(corpus, tmp_path):
     cache, layout = start_cache(corpus, tmp_path)
     assert len(layout.sizes) >= 5, "the test needs more shards than cache slots"
@@ -61,6 +66,7 @@ def test_streams_exact_rows_within_capacity_with_high_hit_rate(corpus, tmp_path)
     assert hit_rate >= 0.8, stats  # only the very first shard, and a tight race at block ends, may miss
 
 
+@ray_test
 def test_workers_of_a_node_share_one_copy(corpus, tmp_path):
     cache, layout = start_cache(corpus, tmp_path)
 
@@ -79,6 +85,7 @@ def test_workers_of_a_node_share_one_copy(corpus, tmp_path):
     assert stats["pinned"] == []
 
 
+@ray_test
 def test_pinned_shards_are_never_evicted_and_overflow_does_not_deadlock(corpus, tmp_path):
     cache, layout = start_cache(corpus, tmp_path, capacity=2)
     first = [ray.get(cache.acquire.remote(s, 0, "test")) for s in (0, 1, 2)]  # three pins in two slots
@@ -87,6 +94,7 @@ def test_pinned_shards_are_never_evicted_and_overflow_does_not_deadlock(corpus, 
     assert stats["overflows"] >= 1 and {0, 1, 2} <= set(stats["cached"])
 
 
+@ray_test
 def test_corrupt_source_is_refetched_once_then_named(corpus, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(Path(corpus).parent, copy)
@@ -100,6 +108,7 @@ def test_corrupt_source_is_refetched_once_then_named(corpus, tmp_path):
     assert Path(ray.get(cache.acquire.remote(0, 0, "test"))["path"]).exists()  # other shards still serve
 
 
+@ray_test
 def test_pins_of_a_reader_that_is_gone_are_released_for_it(corpus, tmp_path):
     """Issue 15, defect 10: a killed worker cannot release its pins; the coordinator releases them for it,
     so the cache can evict those shards again instead of overflowing its capacity."""
@@ -115,6 +124,7 @@ def test_pins_of_a_reader_that_is_gone_are_released_for_it(corpus, tmp_path):
     assert stats["overflows"] == 1 and not {0, 1} & set(stats["cached"])
 
 
+@ray_test
 def test_cache_directories_of_dead_processes_are_removed(corpus, tmp_path):
     """Issue 15, defect 10: a cache's directory is named after its process; the ones a killed coordinator or
     a Ctrl-C left behind go when the node's next cache starts (a live process's stays)."""

@@ -11,7 +11,10 @@ from app.core import checkpoint
 
 
 def parts(value: float) -> dict:
-    return {"model.pt": {"w": torch.full((4,), value), "b": torch.zeros(2)}, "extra.pt": {"scheduler": {"last_epoch": 3}}}
+    return {
+        "model.pt": {"w": torch.full((4,), value), "b": torch.zeros(2)},
+        "extra.pt": {"scheduler": {"last_epoch": 3}},
+    }
 
 
 def weights(ck: checkpoint.Checkpoint) -> torch.Tensor:
@@ -21,7 +24,9 @@ def weights(ck: checkpoint.Checkpoint) -> torch.Tensor:
 def save_light(uri: str, step: int, base_step: int, value: float) -> None:
     path = checkpoint.prepare(uri, step)
     files = {"model.pt": checkpoint.write_part(path, "model.pt", {"w": torch.full((4,), value, dtype=torch.bfloat16)})}
-    checkpoint.commit(path, {"level": "light", "step": step, "base": f"step-{base_step:08d}", "base_step": base_step}, files)
+    checkpoint.commit(
+        path, {"level": "light", "step": step, "base": f"step-{base_step:08d}", "base_step": base_step}, files
+    )
 
 
 def corrupt(path) -> None:
@@ -73,7 +78,9 @@ def test_light_checkpoint_completes_from_its_base(tmp_path):
     save_light(uri, 15, 10, 3.0)
     ck = checkpoint.load_latest(uri)
     assert ck.meta["level"] == "light" and ck.base.endswith("step-00000010")
-    assert torch.equal(checkpoint.deserialize(ck.parts[checkpoint.LIGHT])["w"], torch.full((4,), 3.0, dtype=torch.bfloat16))
+    assert torch.equal(
+        checkpoint.deserialize(ck.parts[checkpoint.LIGHT])["w"], torch.full((4,), 3.0, dtype=torch.bfloat16)
+    )
     assert torch.equal(weights(ck), torch.ones(4)) and "extra.pt" in ck.parts  # the rest is the base's
 
 
@@ -97,7 +104,13 @@ def test_retention_keeps_last_k_full_and_the_light_ones_after_them(tmp_path):
     save_light(uri, 10, 8, 10.0)
     (tmp_path / "ck" / "step-00000011").mkdir()  # a save in flight: not debris yet
     checkpoint.retain(uri, keep=2)
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000006", "step-00000008", "step-00000009", "step-00000010", "step-00000011"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        "step-00000006",
+        "step-00000008",
+        "step-00000009",
+        "step-00000010",
+        "step-00000011",
+    ]
 
 
 def test_weights_only_refuses_arbitrary_pickles():

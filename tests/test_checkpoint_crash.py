@@ -30,7 +30,12 @@ def kill_while_saving(uri: str, kills: int, seed: int) -> tuple[int, int]:
     for _ in range(kills):
         latest = checkpoint.load_latest(uri)
         start = latest.meta["step"] + 1 if latest else 1
-        victim = subprocess.Popen([sys.executable, str(ROOT / "tests" / "save_forever.py"), uri, str(start)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        victim = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "save_forever.py"), uri, str(start)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         _, _, took = victim.stdout.readline().split()  # its first save, to learn the pace of this store
         time.sleep(rng.uniform(0, 2 * float(took)))  # mostly inside the next save or two, anywhere in one
         victim.send_signal(signal.SIGKILL)

@@ -54,7 +54,13 @@ def test_a_checkpoint_that_cannot_be_written_is_recorded_and_only_the_final_one_
         train(blocked, new_run_dir(blocked), progress=False)
 
     # Slowed steps (rank 0 computes 5x as long) leave time to lock the checkpoint root after step 1.
-    cfg = make_cfg(*FAST, "run.name=refused", "train.steps=12", "checkpoint.every=4", "faults=[{rank: 0, step: 1, kind: slow, factor: 5}]")
+    cfg = make_cfg(
+        *FAST,
+        "run.name=refused",
+        "train.steps=12",
+        "checkpoint.every=4",
+        "faults=[{rank: 0, step: 1, kind: slow, factor: 5}]",
+    )
     run_dir = new_run_dir(cfg)
     root = run_dir / "checkpoints"
 
@@ -70,4 +76,4 @@ def test_a_checkpoint_that_cannot_be_written_is_recorded_and_only_the_final_one_
             train(cfg, run_dir, progress=False)
         thread.join()
     assert [r["step"] for r in records(run_dir, "checkpoint_failed")] == [4, 8, 12]
-    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 13))  # training went on past the failed saves
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 13))  # went on past the failed saves

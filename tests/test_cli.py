@@ -18,7 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("argv", [["--help"], ["config", "-c", "tiny"], ["status", "--help"], ["train", "--help"]])
 def test_the_cli_loads_neither_ray_nor_torch_to_answer(argv):
-    code = f"import sys; from app.cli import main\ntry: main({argv!r})\nexcept SystemExit: pass\nprint(sorted(m for m in ('ray', 'torch') if m in sys.modules))"
+    code = (
+        f"import sys; from app.cli import main\ntry: main({argv!r})\nexcept SystemExit: pass\n"
+        "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stderr
 

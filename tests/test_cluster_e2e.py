@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from runs import wait_until
 
 from app.core.records import read_jsonl
 from app.local_cluster import LocalCluster
@@ -60,15 +61,6 @@ def submit(cluster: LocalCluster, data_dir: str, root: Path, name: str, *overrid
     return name
 
 
-def wait_for(what: str, predicate, timeout: float = 120, every: float = 0.5):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 def wait_job(cluster: LocalCluster, job: str, timeout: float = 300) -> str:
     """How the job ended, as `ray job status` says it ("Job 'X' succeeded")."""
 
@@ -76,7 +68,7 @@ def wait_job(cluster: LocalCluster, job: str, timeout: float = 300) -> str:
         found = re.search(r"Job '.*' (succeeded|failed|stopped)", cluster.run("ray", "job", "status", job).stdout)
         return found and found[1]
 
-    return wait_for(f"job {job} to end", ended, timeout, every=2)
+    return wait_until(f"job {job} to end", ended, timeout, every=2)
 
 
 def status(cluster: LocalCluster, job: str) -> dict:
@@ -135,7 +127,9 @@ def test_the_readme_recipe_grows_the_job_onto_a_node_the_autoscaler_adds(cluster
     started for that room warms up there and joins. (It stayed at one worker for its whole run.)"""
     job = submit(cluster, data_dir, tmp_path, "recipe", "cluster.warm_pool=0", "train.steps=400")
     run_dir = tmp_path / "recipe"
-    grown = wait_for("a scale-out", lambda: next((m for m in memberships(run_dir) if m["reason"] == "scale-out"), None), timeout=180)
+    grown = wait_until(
+        "a scale-out", lambda: next((m for m in memberships(run_dir) if m["reason"] == "scale-out"), None), timeout=180
+    )
     assert (grown["world_before"], grown["world_after"]) == (1, 2) and is_fake_node(grown["joiner_nodes"][0])
     assert wait_job(cluster, job) == "succeeded", cluster.run("ray", "job", "logs", job).stdout[-3000:]
 
@@ -146,12 +140,15 @@ def test_submitted_job_grows_onto_a_new_node_and_survives_a_killed_worker(cluste
     run_dir = tmp_path / "grow-kill"
     # The head has room for one worker: the pool worker's demand makes the autoscaler start a node,
     # the pool worker warms up there, and the autoscaling policy lets it join.
-    grown = wait_for("a scale-out onto a new node", lambda: next((m for m in memberships(run_dir) if m["reason"] == "scale-out"), None))
+    grown = wait_until(
+        "a scale-out onto a new node",
+        lambda: next((m for m in memberships(run_dir) if m["reason"] == "scale-out"), None),
+    )
     assert (grown["world_before"], grown["world_after"], grown["joiners"]) == (1, 2, 1)
     assert is_fake_node(grown["joiner_nodes"][0])
 
     # A worker process killed from outside (as the OOM killer or a crash would): the job goes on.
-    now = wait_for("a ready pool worker", lambda: (s := status(cluster, job))["warm_pool_ready"] and s)
+    now = wait_until("a ready pool worker", lambda: (s := status(cluster, job))["warm_pool_ready"] and s, every=0.5)
     os.kill(now["members"][1]["pid"], signal.SIGKILL)
     assert wait_job(cluster, job) == "succeeded", cluster.run("ray", "job", "logs", job).stdout[-3000:]
     recover = [m for m in memberships(run_dir) if m["reason"] == "recover"]
@@ -165,14 +162,16 @@ def test_submitted_job_grows_onto_a_new_node_and_survives_a_killed_worker(cluste
 def test_preemption_notice_moves_workers_off_the_node(cluster, data_dir, tmp_path):
     job = submit(cluster, data_dir, tmp_path, "preempt", "train.steps=250")
     run_dir = tmp_path / "preempt"
-    wait_for("two workers", lambda: any(m["world_after"] == 2 for m in memberships(run_dir)))
+    wait_until("two workers", lambda: any(m["world_after"] == 2 for m in memberships(run_dir)))
     doomed = next(m["node"] for m in status(cluster, job)["members"] if is_fake_node(m["node"]))
     # The node's spot watcher (cluster.yaml starts one per worker node) reads a 2-minute interruption
     # notice from the instance metadata (here a stand-in on 127.0.0.1) and drains the node.
     with fake_imds(time.time() + 120) as imds:
         watched = cluster.run("etrain", "spot-watch", "--imds", imds, "--node-id", doomed, "--every", "0.2")
     assert json.loads(watched.stdout.strip().splitlines()[-1])["action"] == "terminate"
-    moved = wait_for("the preemption", lambda: next((m for m in memberships(run_dir) if m["reason"] == "preemption"), None))
+    moved = wait_until(
+        "the preemption", lambda: next((m for m in memberships(run_dir) if m["reason"] == "preemption"), None)
+    )
     assert (moved["world_before"], moved["lost"]) == (2, 1) and moved["draining_nodes"] == [doomed]
     assert doomed not in moved["joiner_nodes"]
     assert wait_job(cluster, job) == "succeeded", cluster.run("ray", "job", "logs", job).stdout[-3000:]

@@ -31,7 +31,12 @@ def reference(make_cfg_module):
 
 def test_a_straggler_gets_a_smaller_share_and_every_step_keeps_its_batch(make_cfg):
     run_dir = run(
-        make_cfg, "straggler", "train.deterministic=false", "balance.enabled=true", "train.steps=16", "faults=[{rank: 1, step: 3, kind: slow, factor: 3}]"
+        make_cfg,
+        "straggler",
+        "train.deterministic=false",
+        "balance.enabled=true",
+        "train.steps=16",
+        "faults=[{rank: 1, step: 3, kind: slow, factor: 3}]",
     )
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, 17))
@@ -49,7 +54,9 @@ def test_a_straggler_gets_a_smaller_share_and_every_step_keeps_its_batch(make_cf
 # bf16 is fp16's path with torch's other hook: its round trip is in tests/test_compress.py.
 @pytest.mark.parametrize("mode, most, off", [("fp16", 0.5, 0.01), ("topk", 0.11, 0.4), ("powersgd", 0.5, 0.1)])
 def test_compressed_runs_learn_and_send_fewer_bytes(make_cfg, reference, mode, most, off):
-    run_dir = run(make_cfg, f"compress-{mode}", f"train.steps={STEPS}", f"comm.compression={mode}", "comm.compress_start=5")
+    run_dir = run(
+        make_cfg, f"compress-{mode}", f"train.steps={STEPS}", f"comm.compression={mode}", "comm.compress_start=5"
+    )
     steps = records(run_dir, "train")
     late = steps[-1]
     assert late["dense_bytes"] > 0 and late["comm_bytes"] / late["dense_bytes"] <= most
@@ -91,7 +98,9 @@ def test_zero1_shards_the_optimizer_state_and_gathers_it_whole(make_cfg, tmp_pat
 
 
 def test_zero1_is_resharded_across_resizes_and_learns_the_same(make_cfg, reference):
-    run_dir = run_scaled(make_cfg, "zero-elastic", (3, 2), f"train.steps={STEPS}", "comm.zero=true", "checkpoint.every=40")
+    run_dir = run_scaled(
+        make_cfg, "zero-elastic", (3, 2), f"train.steps={STEPS}", "comm.zero=true", "checkpoint.every=40"
+    )
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert {c["reason"] for c in records(run_dir, "membership")} == {"scale-out", "scale-in"}
@@ -100,9 +109,17 @@ def test_zero1_is_resharded_across_resizes_and_learns_the_same(make_cfg, referen
 
 
 def test_zero1_rolls_back_to_the_checkpoint_when_a_shard_is_lost(make_cfg, reference):
-    run_dir = run(make_cfg, "zero-lost", f"train.steps={STEPS}", "comm.zero=true", "checkpoint.every=10", "faults=[{rank: 1, step: 15}]")
+    run_dir = run(
+        make_cfg,
+        "zero-lost",
+        f"train.steps={STEPS}",
+        "comm.zero=true",
+        "checkpoint.every=10",
+        "faults=[{rank: 1, step: 15}]",
+    )
     steps = records(run_dir, "train")
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))  # steps 11-14 were redone, their first records moved aside
+    # steps 11-14 were redone, their first records moved aside
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     [rollback] = records(run_dir, "rollback")
     assert rollback["step"] == 10
     expected = {r["step"]: r["loss"] for r in records(reference, "train")}
@@ -111,7 +128,14 @@ def test_zero1_rolls_back_to_the_checkpoint_when_a_shard_is_lost(make_cfg, refer
 
 def test_parameter_server_mode_bounds_staleness_and_resumes(make_cfg):
     slow = "faults=[{rank: 1, step: 2, kind: slow, factor: 4}]"
-    ps = ["train.deterministic=false", "comm.mode=ps", "comm.ps_window_s=0.05", "comm.ps_max_staleness=2", "train.eval_every=10", "checkpoint.every=10"]
+    ps = [
+        "train.deterministic=false",
+        "comm.mode=ps",
+        "comm.ps_window_s=0.05",
+        "comm.ps_max_staleness=2",
+        "train.eval_every=10",
+        "checkpoint.every=10",
+    ]
     run_dir = run(make_cfg, "ps", *ps, "train.steps=20", slow)
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, 21))
@@ -127,7 +151,12 @@ def test_parameter_server_mode_bounds_staleness_and_resumes(make_cfg):
     cfg = make_cfg(*ps, "run.name=ps", "train.steps=24", "train.eval_every=0", "checkpoint.every=0")
     train(cfg, run_dir, resume=True, progress=False)
     # A PS checkpoint is an ordinary one: all-reduce mode goes on from it too.
-    train(make_cfg("run.name=ps", "train.steps=28", "train.eval_every=0", "checkpoint.every=0"), run_dir, resume=True, progress=False)
+    train(
+        make_cfg("run.name=ps", "train.steps=28", "train.eval_every=0", "checkpoint.every=0"),
+        run_dir,
+        resume=True,
+        progress=False,
+    )
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, 29))
     assert [r["step"] for r in records(run_dir, "resume")] == [20, 24]

@@ -118,7 +118,9 @@ def error_feedback(rank: int) -> dict:
 
 def rank_main(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks on two cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30)
+    )
     results = {mode: round_trip(rank, mode) for mode in ("none", "fp16", "bf16", "powersgd", "topk")}
     results["error_feedback"] = error_feedback(rank)
     torch.save(results, f"{out_dir}/{rank}.pt")

@@ -66,7 +66,14 @@ def test_yaml_file_with_unknown_key(tmp_path):
         load_config(str(path))
 
 
-@pytest.mark.parametrize("argv", [["config", "-c", "tiny", "--set", "train.stepz=1"], ["config", "-c", "nope.yaml"], ["train", "--resume", "/nonexistent/run"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["config", "-c", "tiny", "--set", "train.stepz=1"],
+        ["config", "-c", "nope.yaml"],
+        ["train", "--resume", "/nonexistent/run"],
+    ],
+)
 def test_cli_usage_errors_exit_2(argv, capsys):
     assert main(argv) == 2
     assert "etrain: error:" in capsys.readouterr().err
@@ -95,7 +102,10 @@ def test_config_states_the_models_memory_and_warns_beyond_this_machine(capsys):
     """Issue 15, defect 9: `etrain config` accepted a model of 10^22 parameters without a word."""
     assert main(["config", "-c", "tiny"]) == 0
     err = capsys.readouterr().err
-    assert f"model: {load_config('tiny').model.param_count():,} parameters; about 0.03 GiB per worker" in err and "warning" not in err
+    assert (
+        f"model: {load_config('tiny').model.param_count():,} parameters; about 0.03 GiB per worker" in err
+        and "warning" not in err
+    )
     assert main(["config", "-c", "tiny", "--set", "model.d_model=1048576"]) == 0
     assert "warning: that is more than this machine's" in capsys.readouterr().err
 
@@ -103,6 +113,10 @@ def test_config_states_the_models_memory_and_warns_beyond_this_machine(capsys):
 def test_param_count_matches_the_model():
     from app.core.model import GPT
 
-    for overrides in ([], ["model.positions=learned", "model.tie_weights=false"], ["model.n_layer=3", "model.d_model=96", "model.n_head=3"]):
+    for overrides in (
+        [],
+        ["model.positions=learned", "model.tie_weights=false"],
+        ["model.n_layer=3", "model.d_model=96", "model.n_head=3"],
+    ):
         cfg = load_config("tiny", overrides)
         assert cfg.model.param_count() == GPT(cfg.model).num_params()

@@ -15,6 +15,7 @@ import pytest
 import ray
 from runs import FAST, records, start_driver, wait_for_step
 
+from actors.control import JobError
 from app.api import NAMESPACE
 from app.job import new_run_dir, train
 
@@ -61,7 +62,8 @@ def test_killed_job_resumes_exactly(make_cfg, tmp_path, victim, reference):
     assert sorted(resumed) == list(range(1, 25))
     assert resumed == reference  # bitwise, across the crash
     resume = records(run_dir, "resume")[0]
-    assert resume["step"] in (6, 12, 18) and resume["step"] <= resume["reached_step"] <= crashed_at  # the cursor level lags by a write at most
+    # the cursor level lags by a write at most
+    assert resume["step"] in (6, 12, 18) and resume["step"] <= resume["reached_step"] <= crashed_at
 
 
 def test_interrupted_before_any_checkpoint_resumes_from_the_start_once(make_cfg, tmp_path, reference):
@@ -83,3 +85,19 @@ def test_interrupted_before_any_checkpoint_resumes_from_the_start_once(make_cfg,
     resume = records(run_dir, "resume")[0]
     assert (resume["step"], resume["path"]) == (0, None) and "no committed checkpoint" in resume["reason"]
     assert resume["records_redone"] >= interrupted_at and (run_dir / "metrics.redone.jsonl").exists()
+
+
+def test_a_worker_lost_beyond_recovery_then_resume_continues_bitwise(make_cfg, reference):
+    """README, "Determinism and resume": a job whose worker dies with no recovery left (cluster.max_recoveries=0)
+    fails; `--resume` continues from its last checkpoint, and every step's loss equals the uninterrupted run's."""
+    cfg = make_cfg(
+        *FAST, *STEPS, "run.name=worker-killed", "cluster.max_recoveries=0", "faults=[{rank: 1, step: 14, kind: kill}]"
+    )
+    run_dir = new_run_dir(cfg)
+    with pytest.raises(JobError, match="max_recoveries"):
+        train(cfg, run_dir, progress=False)
+    assert max(losses(run_dir)) == 13
+    # the fault is not met again
+    train(make_cfg(*FAST, *STEPS, "run.name=worker-killed"), run_dir, resume=True, progress=False)
+    assert losses(run_dir) == reference
+    assert records(run_dir, "resume")[0]["step"] == 12

@@ -59,7 +59,14 @@ WANTED = [
 
 def test_metrics_status_and_report_of_a_live_run(ray_session, make_cfg, capsys):
     assert ray_session is not None, "the session's Ray must export metrics (tests/conftest.py)"
-    cfg = make_cfg(*FAST, "run.name=watched", "train.steps=120", "cluster.num_workers=1", "train.eval_every=20", "checkpoint.every=20")
+    cfg = make_cfg(
+        *FAST,
+        "run.name=watched",
+        "train.steps=120",
+        "cluster.num_workers=1",
+        "train.eval_every=20",
+        "checkpoint.every=20",
+    )
     run_dir = new_run_dir(cfg)
     seen: dict = {}
 
@@ -105,9 +112,11 @@ def test_metrics_status_and_report_of_a_live_run(ray_session, make_cfg, capsys):
     }
     for name, values_recorded in recorded.items():
         value = values[(f"ray_etrain_{name}", "")]
-        assert any(math.isclose(value, v, rel_tol=1e-6) for v in values_recorded), f"{name} = {value} was never recorded"
+        assert any(math.isclose(value, v, rel_tol=1e-6) for v in values_recorded), (
+            f"{name} = {value} was never recorded"
+        )
     assert seen["later"] == [[]] * 4, f"series gone from later scrapes: {seen['later']}"
-    # On CPU there is no honest peak: MFU is left out, not shown wrong (app/flops.py).
+    # On CPU there is no honest peak: MFU is left out, not shown wrong (app/core/flops.py).
     assert ("ray_etrain_mfu", "") not in values and all(r.get("mfu") is None for r in train_records)
     # The histogram holds exactly the recorded gradient norms (its count is the first steps', each bucket
     # theirs), and the exact sum beside it is theirs (Ray exports the histogram's own _sum from midpoints).
@@ -122,7 +131,9 @@ def test_metrics_status_and_report_of_a_live_run(ray_session, make_cfg, capsys):
     assert math.isclose(values[("ray_etrain_scale_latency_seconds", "scale-out")], scale_out["total_s"], rel_tol=1e-6)
     assert values[("ray_etrain_step_seconds", "compute")] > 0
     assert 0 <= values[("ray_etrain_cache_hit_rate", "")] <= 1
-    assert values[("ray_etrain_fetched_bytes_total", "")] >= sum(r.get("fetched_bytes", 0) for r in train_records[:1]) > 0
+    assert (
+        values[("ray_etrain_fetched_bytes_total", "")] >= sum(r.get("fetched_bytes", 0) for r in train_records[:1]) > 0
+    )
     assert values[("ray_etrain_grad_norm_distribution_count", "")] >= 1
     assert values[("ray_etrain_checkpoint_step", "")] % 20 == 0
     evals = [r["eval_loss"] for r in records(run_dir, "eval")]

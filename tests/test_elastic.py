@@ -24,7 +24,7 @@ def reference(make_cfg_module) -> Path:
     return run(make_cfg_module, "reference", "train.steps=60")
 
 
-@pytest.mark.parametrize("kind", ["kill", "hang"])
+@pytest.mark.parametrize("kind", ["kill", "hang", "kill_in_allreduce"])
 def test_lost_worker_is_replaced_and_the_step_redone(make_cfg, reference, kind):
     run_dir = run(make_cfg, f"fault-{kind}", "train.steps=60", "faults=[{rank: 1, step: 25, kind: " + kind + "}]")
     steps = records(run_dir, "train")
@@ -47,13 +47,17 @@ def test_lost_worker_is_replaced_and_the_step_redone(make_cfg, reference, kind):
 
 def test_autoscaling_grows_onto_free_room_with_linear_scaling(make_cfg):
     """The session's Ray has 4 CPUs: 2 workers and the pool worker leave room for one more."""
-    cfg = make_cfg(*FAST, "run.name=autoscale", "train.steps=150", "cluster.max_workers=3", "train.batch_scaling=linear")
+    cfg = make_cfg(
+        *FAST, "run.name=autoscale", "train.steps=150", "cluster.max_workers=3", "train.batch_scaling=linear"
+    )
     run_dir = new_run_dir(cfg)
     train(cfg, run_dir, progress=False)
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, 151))
     changes = records(run_dir, "membership")
-    assert [(c["reason"], c["world_before"], c["world_after"], c["joiners"]) for c in changes] == [("scale-out", 2, 3, 1)]
+    assert [(c["reason"], c["world_before"], c["world_after"], c["joiners"]) for c in changes] == [
+        ("scale-out", 2, 3, 1)
+    ]
     assert records(run_dir, "autoscale")[0]["wanted"] == 3
     assert steps[-1]["world_size"] == 3  # the policy never shrinks a job
     # Linear scaling: 8 samples per worker per step, and the learning rate grows by the same factor.

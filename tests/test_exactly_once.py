@@ -1,16 +1,19 @@
 """Exactly once under any history of resizes and restarts (property test).
 
-The coordinator commits a step by advancing one global cursor; `plan_step` is
-all it uses to decide who reads what. A restart rolls the cursor back to the
-last checkpoint and the steps after it are redone (their updates were lost with
-the crash). Whatever the history, the committed steps must read every sample of
-an epoch exactly once, in the same global order.
+The coordinator commits a step by advancing its Position by the step's batch (actors/step.py),
+plans who reads what with `order.plan_step` at that cursor, and a restart rewinds the Position to
+the last checkpoint's (the steps after it are redone: their updates were lost with the crash).
+This drives that code, with the batch of the world size at each step (`Config.batch_at`, under
+both batch scalings). Whatever the history, the committed steps must read every sample of an
+epoch exactly once, in the same global order.
 """
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actors.step import Position
+from app.core.config import load_config
 from pipelines import order
 
 events = st.lists(
@@ -29,30 +32,36 @@ events = st.lists(
     sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6),
     block=st.integers(1, 3),
     batch=st.integers(8, 24),
+    linear=st.booleans(),
     checkpoint_every=st.integers(1, 5),
     history=events,
 )
-def test_every_sample_once_per_epoch(sizes, block, batch, checkpoint_every, history):
+def test_every_sample_once_per_epoch(sizes, block, batch, linear, checkpoint_every, history):
+    scaling = f"train.batch_scaling={'linear' if linear else 'constant'}"
+    cfg = load_config("tiny", [f"train.global_batch={batch - batch % 2 if linear else batch}", scaling])
     layout = order.Layout(seed=7, sizes=tuple(sizes), block=block)
     weights = [1.0, 1.0]
+    at, saved = Position(), Position()  # the run, and its last checkpoint
     committed: list[list[np.ndarray]] = []  # per committed step: each worker's ids
-    saved = 0  # steps covered by the last checkpoint
     for kind, arg in history:
         if kind == "resize":
             weights = [1.0] * arg
         elif kind == "speeds":
             weights = arg
         elif kind == "restart":
-            del committed[saved:]  # the crash loses what came after the checkpoint
+            at = Position(saved.step, saved.cursor)
+            del committed[at.step :]  # the crash loses what came after the checkpoint
         else:
             for _ in range(arg):
-                if batch < len(weights):
+                step_batch = cfg.batch_at(len(weights))
+                if step_batch < len(weights):
                     break
-                cursor = len(committed) * batch  # the cursor is a function of committed steps only
-                committed.append(order.plan_step(layout, cursor, batch, weights))
-                if len(committed) % checkpoint_every == 0:
-                    saved = len(committed)
+                committed.append(order.plan_step(layout, at.cursor, step_batch, weights))
+                at.advance(step_batch)
+                if at.step % checkpoint_every == 0:
+                    saved = Position(at.step, at.cursor)
     read = np.concatenate([ids for step in committed for ids in step]) if committed else np.empty(0, int)
+    assert len(read) == at.cursor
     assert np.array_equal(read, order.take(layout, 0, len(read)))  # same order whatever the world did
     n = layout.num_samples
     for epoch in range(len(read) // n):

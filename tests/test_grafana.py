@@ -63,7 +63,9 @@ def dashboard() -> dict:
 @pytest.fixture(scope="module")
 def published() -> dict[str, tuple[str, tuple[str, ...]]]:
     """metric name as given to ray.util.metrics -> (kind, tag keys), from a constructed Dashboard."""
-    out = subprocess.run([sys.executable, "-c", CONSTRUCT], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", CONSTRUCT], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert not result["ray_initialized"], "constructing Dashboard must not start Ray"
@@ -96,7 +98,12 @@ def parsed_metric_names() -> dict[str, str]:
             continue
         for gen in comp.generators:
             it = gen.iter
-            if isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr in ("items", "keys") and isinstance(it.func.value, ast.Dict):
+            if (
+                isinstance(it, ast.Call)
+                and isinstance(it.func, ast.Attribute)
+                and it.func.attr in ("items", "keys")
+                and isinstance(it.func.value, ast.Dict)
+            ):
                 keys = [ast.literal_eval(k) for k in it.func.value.keys]
                 var = gen.target.elts[0] if isinstance(gen.target, ast.Tuple) else gen.target
                 for call in ast.walk(comp):

@@ -14,7 +14,7 @@ from actors.guards import NormWatch
 from app.core.optim import lr_factor
 from app.job import train
 
-pytestmark = pytest.mark.usefixtures("ray_session")
+ray_test = pytest.mark.usefixtures("ray_session")
 
 
 def test_the_outlier_limit_is_mean_plus_sigmas_after_warmup():
@@ -30,6 +30,7 @@ def test_the_outlier_limit_is_mean_plus_sigmas_after_warmup():
     assert watch.limit(3.0, warmup=4) == math.inf and watch.n == 0
 
 
+@ray_test
 def test_a_gradient_spike_is_skipped_and_its_samples_quarantined(make_cfg):
     run_dir = run(make_cfg, "spike", "train.steps=30", "faults=[{rank: 0, step: 25, kind: spike, factor: 1000}]")
     steps = records(run_dir, "train")
@@ -40,10 +41,12 @@ def test_a_gradient_spike_is_skipped_and_its_samples_quarantined(make_cfg):
     [logged] = [json.loads(line) for line in (run_dir / "quarantine.jsonl").read_text().splitlines()]
     assert logged["step"] == 25 and len(logged["samples"]) == 16
     assert all(s["shard"].endswith(".parquet") and s["row"] >= 0 for s in logged["samples"])
-    assert all(s["documents"] and all(d.startswith("stdlib/") for d in s["documents"]) for s in logged["samples"])  # traced to the source files
+    # traced to the source files
+    assert all(s["documents"] and all(d.startswith("stdlib/") for d in s["documents"]) for s in logged["samples"])
     assert abs(steps[25]["loss"] - steps[23]["loss"]) < 0.5  # the spike's update never happened
 
 
+@ray_test
 def test_a_nan_rolls_back_to_the_checkpoint_with_the_lr_halved(make_cfg):
     run_dir = run(make_cfg, "nan", "train.steps=16", "checkpoint.every=5", "faults=[{rank: 1, step: 8, kind: nan}]")
     steps = records(run_dir, "train")
@@ -62,6 +65,7 @@ def test_a_nan_rolls_back_to_the_checkpoint_with_the_lr_halved(make_cfg):
     assert all(r["lr"] == pytest.approx(optim.lr * lr_factor(r["step"] - 1, optim, 20) * 0.5) for r in resumed)
 
 
+@ray_test
 def test_nan_after_nan_fails_the_job_once_rollbacks_run_out(make_cfg):
     nans = "faults=[{rank: 0, step: 5, kind: nan}, {rank: 0, step: 6, kind: nan}]"
     with pytest.raises(JobError, match="max_nan_rollbacks"):

@@ -1,4 +1,5 @@
-"""A run's lease (app/lease.py) on local disk and on S3: one owner, stale owners taken over, a lost lease noticed."""
+"""A run's lease (app/core/lease.py) on local disk and on S3: one owner, stale owners taken over, a lost lease
+noticed."""
 
 from __future__ import annotations
 

@@ -43,7 +43,11 @@ SMALL = json.dumps(["data.corpus_bytes=1500000", "data.shard_bytes=200000"])  # 
 
 
 def test_quickstart_notebook_trains_and_plots(data_dir, tmp_path):
-    nb = execute("01_quickstart.ipynb", {"ETRAIN_NB_STEPS": "30", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL}, tmp_path / "tmp")
+    nb = execute(
+        "01_quickstart.ipynb",
+        {"ETRAIN_NB_STEPS": "30", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL},
+        tmp_path / "tmp",
+    )
     assert images(nb) == 2  # the loss, the report's step-time plot
     # One progress bar, a widget that updates in place (it was 423 outputs of text); the events as lines.
     training = next(c for c in nb.cells if c.cell_type == "code" and "train(cfg, run_dir)" in c.source)
@@ -54,7 +58,11 @@ def test_quickstart_notebook_trains_and_plots(data_dir, tmp_path):
 
 
 def test_elastic_notebook_scales_out_loses_a_worker_scales_in_and_plots(data_dir, tmp_path):
-    nb = execute("02_elastic.ipynb", {"ETRAIN_NB_STEPS": "90", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL}, tmp_path / "tmp")
+    nb = execute(
+        "02_elastic.ipynb",
+        {"ETRAIN_NB_STEPS": "90", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL},
+        tmp_path / "tmp",
+    )
     assert images(nb) == 1  # throughput and world size; the notebook asserts the changes and the sample count itself
 
 

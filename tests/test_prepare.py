@@ -19,10 +19,14 @@ from pipelines.shards import ShardReader
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 WORDS = (
-    "the of and to in is was for on that with as by at from his her they be this have are not but had which one were all "
-    "their there been has when who will more no if out so said what up its about into than them can only other new some "
-    "could time these two may then do first any my now such like our over man even most made after also did many before "
-    "must through back years where much your way well down should because each just those people how too little state good"
+    "the of and to in is was for on that with as by at from his her they be this have are not but had which one were "
+    "all "
+    "their there been has when who will more no if out so said what up its about into than them can only other new "
+    "some "
+    "could time these two may then do first any my now such like our over man even most made after also did many "
+    "before "
+    "must through back years where much your way well down should because each just those people how too little state "
+    "good"
 ).split()
 
 
@@ -50,16 +54,31 @@ def sources(tmp_path_factory) -> Path:
     (docs / "symbols.txt").write_text("#$%^ 1234 &*() 5678 " * 60)
     (docs / "lines.txt").write_text("buy now and save big today\n" * 50)
     (docs / "short.txt").write_text("too short")
-    (root / "more.jsonl").write_text("\n".join(json.dumps({"body": prose(rng, 250)}) for _ in range(5)) + "\n{not json}\n" + json.dumps({"other": 1}) + "\n")
+    (root / "more.jsonl").write_text(
+        "\n".join(json.dumps({"body": prose(rng, 250)}) for _ in range(5))
+        + "\n{not json}\n"
+        + json.dumps({"other": 1})
+        + "\n"
+    )
     pq.write_table(pa.table({"content": [prose(rng, 280) for _ in range(4)]}), root / "table.parquet")
     return root
 
 
+OPTIONS = [
+    "--field",
+    "body",
+    "--column",
+    "content",
+    "--set",
+    "data.eval_fraction=0.25",
+    "--set",
+    "data.shard_bytes=8000",
+]
+
+
 def run_prepare(sources: Path, out: str, *extra: str) -> int:
-    args = [str(sources / "docs"), str(sources / "more.jsonl"), str(sources / "table.parquet"), str(sources / "missing.txt")]
-    return main(
-        ["prepare", *args, "--out", out, "--field", "body", "--column", "content", "--set", "data.eval_fraction=0.25", "--set", "data.shard_bytes=8000", *extra]
-    )
+    args = [str(sources / name) for name in ("docs", "more.jsonl", "table.parquet", "missing.txt")]
+    return main(["prepare", *args, "--out", out, *OPTIONS, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +108,13 @@ def test_prepare_accounts_for_every_document(prepared):
     assert report["documents_read"] == 31 == report["documents_kept"] + report["documents_rejected"]
     assert len(quarantine) == report["documents_rejected"]
     by_reason = {q["reason"]: q for q in quarantine}
-    assert by_reason["duplicate_exact"]["path"].endswith("d03.txt") and "copy.txt" in by_reason["duplicate_exact"]["detail"]
-    assert by_reason["duplicate_near"]["path"].endswith("near.txt") and "d05.txt" in by_reason["duplicate_near"]["detail"]
+    assert (
+        by_reason["duplicate_exact"]["path"].endswith("d03.txt")
+        and "copy.txt" in by_reason["duplicate_exact"]["detail"]
+    )
+    assert (
+        by_reason["duplicate_near"]["path"].endswith("near.txt") and "d05.txt" in by_reason["duplicate_near"]["detail"]
+    )
     assert by_reason["unreadable"]["path"].endswith("missing.txt")
     manifest = json.loads((out / "manifest.json").read_text())
     logical = {e["logical"] for e in manifest["splits"]["train"]["shards"]}
@@ -119,10 +143,7 @@ def test_prepare_and_train_on_s3(sources, s3_bucket, make_cfg, tmp_path):
     fs.put(str(sources) + "/", f"{s3_bucket}/raw/", recursive=True)
     out = f"{s3_bucket}/corpus"
     args = [f"{s3_bucket}/raw/docs", f"{s3_bucket}/raw/more.jsonl", f"{s3_bucket}/raw/table.parquet"]
-    assert (
-        main(["prepare", *args, "--out", out, "--field", "body", "--column", "content", "--set", "data.eval_fraction=0.25", "--set", "data.shard_bytes=8000"])
-        == 0
-    )
+    assert main(["prepare", *args, "--out", out, *OPTIONS]) == 0
     report = json.loads(fs.cat(f"{out}/report.json"))
     assert report["documents_read"] == report["documents_kept"] + report["documents_rejected"] == 30
     cfg = make_cfg(f"data.source={out}/manifest.json", "train.steps=4", "train.global_batch=8", "checkpoint.every=2")

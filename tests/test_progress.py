@@ -27,7 +27,8 @@ def test_off_a_terminal_progress_is_one_line_per_interval(make_cfg, capsys):
     assert 2 <= len(lines) <= took + 2, f"{len(lines)} progress lines in {took:.1f} s"
     assert all(" loss " in line and "tokens/s" in line and "ETA" in line for line in lines)
     assert "ETA -" not in lines[-1] and "\r" not in err  # an ETA from the pace, and no bar redrawn into the log
-    assert len([line for line in err.splitlines() if re.match(r"step \d+: eval loss", line)]) == 3  # events: lines of their own
+    # events: lines of their own
+    assert len([line for line in err.splitlines() if re.match(r"step \d+: eval loss", line)]) == 3
 
 
 def test_a_recovery_shows_our_line_and_keeps_rays_noise_in_the_log(make_cfg, tmp_path):

@@ -31,7 +31,11 @@ SHAPES = {
 
 def init_params(seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen), "g": torch.randn(3, generator=gen)}
+    return {
+        "w": torch.randn(4, 3, generator=gen),
+        "b": torch.randn(3, generator=gen),
+        "g": torch.randn(3, generator=gen),
+    }
 
 
 def grads_like(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -40,7 +44,9 @@ def grads_like(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Te
 
 
 def shard(workers: int, window_s: float = 5.0, max_staleness: int = 2, **kw) -> ParamShard:
-    return ParamShard(init_params(), OPTIM, total_steps=6, workers=workers, window_s=window_s, max_staleness=max_staleness, **kw)
+    return ParamShard(
+        init_params(), OPTIM, total_steps=6, workers=workers, window_s=window_s, max_staleness=max_staleness, **kw
+    )
 
 
 async def step(ps: ParamShard, worker: int, seed: int, samples: int = 4, compute_s: float = 0.0) -> dict:
@@ -75,7 +81,10 @@ def test_prompt_rounds_equal_adamw_on_sample_weighted_mean():
     ref = {n: nn.Parameter(t.clone()) for n, t in init_params().items()}
     cfg = OptimConfig(**OPTIM)
     ref_opt = torch.optim.AdamW(
-        [{"params": [ref["w"]], "weight_decay": cfg.weight_decay}, {"params": [ref["b"], ref["g"]], "weight_decay": 0.0}],
+        [
+            {"params": [ref["w"]], "weight_decay": cfg.weight_decay},
+            {"params": [ref["b"], ref["g"]], "weight_decay": 0.0},
+        ],
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
     )
@@ -168,7 +177,11 @@ def test_second_push_of_a_worker_waits_for_the_next_round():
         return await second
 
     [second] = run_all(go())
-    assert {k: second[k] for k in ("version", "staleness", "applied_with")} == {"version": 2, "staleness": 1, "applied_with": 2}
+    assert {k: second[k] for k in ("version", "staleness", "applied_with")} == {
+        "version": 2,
+        "staleness": 1,
+        "applied_with": 2,
+    }
 
 
 def test_set_workers_changes_the_round_size():

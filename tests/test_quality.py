@@ -20,7 +20,11 @@ def test_normalise_unifies_unicode_and_whitespace():
         ("a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3, "word_length"),
         ("buy now and save big today\n" * 30, "repeated_lines"),
         ("one two three four five six " * 30, "repeated_ngrams"),
-        ("The quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches in the old town hall near the river", None),
+        (
+            "The quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches in the old "
+            "town hall near the river",
+            None,
+        ),
     ],
 )
 def test_filters_name_the_reason(text, reason):

@@ -15,8 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 import ray
-from conftest import free_port
-from runs import FAST, ROOT, records, run, start_driver, wait_for_step
+from runs import FAST, ROOT, records, run, start_driver, wait_for_step, wait_until
 
 from actors.control import JobError
 from actors.coordinator import Coordinator
@@ -24,9 +23,10 @@ from actors.worker import spawn
 from app.cli import main
 from app.core import checkpoint, lease
 from app.job import new_run_dir, train
+from app.local_cluster import free_port
 from pipelines.embedded import ensure_corpus
 
-pytestmark = pytest.mark.usefixtures("ray_session")
+ray_test = pytest.mark.usefixtures("ray_session")
 
 
 def world(run_dir: Path) -> int | None:
@@ -34,17 +34,13 @@ def world(run_dir: Path) -> int | None:
     return steps[-1]["world_size"] if steps else None
 
 
-def wait_until(what: str, predicate, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
+@ray_test
 def test_with_no_warm_pool_a_lost_worker_is_replaced_and_a_scale_request_is_met(make_cfg):
     """Defect 1: with cluster.warm_pool=0 a replacement (and a worker asked for by `etrain scale`) is
     started when needed and joins once ready; it used to be stopped again just before joining."""
-    cfg = make_cfg(*FAST, "run.name=pool0", "cluster.warm_pool=0", "train.steps=400", "faults=[{rank: 1, step: 5, kind: kill}]")
+    cfg = make_cfg(
+        *FAST, "run.name=pool0", "cluster.warm_pool=0", "train.steps=400", "faults=[{rank: 1, step: 5, kind: kill}]"
+    )
     run_dir = new_run_dir(cfg)
 
     def drive():
@@ -62,6 +58,7 @@ def test_with_no_warm_pool_a_lost_worker_is_replaced_and_a_scale_request_is_met(
     assert world(run_dir) == 3
 
 
+@ray_test
 def test_resume_of_a_run_that_is_still_training_is_refused(make_cfg, tmp_path, capsys):
     """Defect 2: a second driver on a running run (here `--resume`) is refused with the owner's host, pid
     and the lease's age, before it writes anything; the first goes on undisturbed."""
@@ -77,13 +74,16 @@ def test_resume_of_a_run_that_is_still_training_is_refused(make_cfg, tmp_path, c
     assert not (run_dir / "checkpoints" / lease.LEASE).exists()  # given up at the end
 
 
+@ray_test
 def test_storage_refusing_a_checkpoint_commit_leaves_a_record_and_training_goes_on(make_cfg, s3_bucket, s3_faults):
     """Defect 4: a commit marker (or retention's delete) refused by storage used to kill the job; now the
     save is recorded as failed, the one before stays the latest, and the run goes on to its end."""
     s3_faults.fail("PUT", r"step-00000004/commit\.json")
     s3_faults.fail("POST", r"\?delete")  # retention's bulk delete
     uri = f"{s3_bucket}/ck"
-    run_dir = run(make_cfg, "commit-refused", "train.steps=8", "checkpoint.every=2", "checkpoint.keep=1", f"checkpoint.uri={uri}")
+    run_dir = run(
+        make_cfg, "commit-refused", "train.steps=8", "checkpoint.every=2", "checkpoint.keep=1", f"checkpoint.uri={uri}"
+    )
     failed = records(run_dir, "checkpoint_failed")
     assert [f["step"] for f in failed] == [4] and "PermissionError" in failed[0]["error"]
     saved = records(run_dir, "checkpoint")
@@ -106,6 +106,7 @@ def etrain(*args: str, env: dict, timeout: float = 60) -> tuple[subprocess.Compl
     return done, time.time() - started
 
 
+@ray_test
 def test_connecting_to_a_dead_address_or_with_a_refused_token_fails_at_once(tmp_path):
     """Defect 5: `etrain status` against an address where nothing runs waited without end; against a live
     cluster with a wrong token it said "no Ray cluster". Both now end at once, each with its own cause."""
@@ -114,21 +115,37 @@ def test_connecting_to_a_dead_address_or_with_a_refused_token_fails_at_once(tmp_
     assert dead.returncode == 2 and "no Ray cluster at" in dead.stderr and "Traceback" not in dead.stderr, dead.stderr
     assert took < 30
     live = ray.get_runtime_context().gcs_address
-    refused, took = etrain("status", env=env | {"RAY_ADDRESS": live, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64})
-    assert refused.returncode == 2 and "refused this client's token" in refused.stderr and "RAY_AUTH_TOKEN" in refused.stderr, refused.stderr
+    refused, took = etrain(
+        "status", env=env | {"RAY_ADDRESS": live, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}
+    )
+    assert (
+        refused.returncode == 2
+        and "refused this client's token" in refused.stderr
+        and "RAY_AUTH_TOKEN" in refused.stderr
+    ), refused.stderr
     assert took < 30
 
 
+@ray_test
 def test_a_frozen_coordinator_fails_the_driver_after_the_join_timeout(make_cfg):
     """Defect 5: the driver waited for the coordinator's answers without a bound; a coordinator frozen
     (SIGSTOP) now fails the job after timeouts.join_s with a line that says so."""
-    cfg = make_cfg(*FAST, "run.name=frozen", "train.steps=2000", "timeouts.collective_s=2", "timeouts.step_s=4", "timeouts.join_s=8")
+    cfg = make_cfg(
+        *FAST,
+        "run.name=frozen",
+        "train.steps=2000",
+        "timeouts.collective_s=2",
+        "timeouts.step_s=4",
+        "timeouts.join_s=8",
+    )
     run_dir = new_run_dir(cfg)
     frozen = []
 
     def freeze():
         wait_until("a step", lambda: world(run_dir) is not None)
-        coordinator = next(p for p in psutil.process_iter(["cmdline"]) if "ray::Coordinator" in " ".join(p.info["cmdline"] or []))
+        coordinator = next(
+            p for p in psutil.process_iter(["cmdline"]) if "ray::Coordinator" in " ".join(p.info["cmdline"] or [])
+        )
         coordinator.send_signal(signal.SIGSTOP)
         frozen.append(coordinator)
 
@@ -144,6 +161,7 @@ def test_a_frozen_coordinator_fails_the_driver_after_the_join_timeout(make_cfg):
     assert frozen and max(r["step"] for r in records(run_dir, "train")) < 2000
 
 
+@ray_test
 def test_a_step_no_member_finished_is_never_committed(make_cfg):
     """Defect 6: with every member lost in one step, "all survivors finished" held over zero survivors and
     the step was written as committed (a train record without a loss, the cursor past it)."""
@@ -172,10 +190,14 @@ def test_a_run_directory_in_rays_temporary_directory_is_refused(make_cfg, tmp_pa
     monkeypatch.chdir(package)
     assert main(["train", "--config", "tiny", "--set", "run.name=x"]) == 2
     err = capsys.readouterr().err
-    assert f"run.root resolves to {package / 'runs' / 'x'}, inside Ray's temporary directory" in err and "--set run.root=" in err
+    assert (
+        f"run.root resolves to {package / 'runs' / 'x'}, inside Ray's temporary directory" in err
+        and "--set run.root=" in err
+    )
     assert not (package / "runs").exists()
     monkeypatch.chdir(tmp_path)
-    assert new_run_dir(make_cfg("run.root=runs", "run.name=y")) == tmp_path / "runs" / "y"  # relative roots become absolute
+    # relative roots become absolute
+    assert new_run_dir(make_cfg("run.root=runs", "run.name=y")) == tmp_path / "runs" / "y"
 
 
 @pytest.mark.parametrize("case", ["no-eval-split", "directory"])
@@ -198,7 +220,9 @@ def test_a_bad_data_source_is_one_line_exit_2(make_cfg, tmp_path, capsys, case):
     assert expected in err and "Traceback" not in err
 
 
-def test_prepare_names_a_bad_storage_option_and_an_unreachable_endpoint(tmp_path, s3_bucket, s3_faults, capsys, monkeypatch):
+def test_prepare_names_a_bad_storage_option_and_an_unreachable_endpoint(
+    tmp_path, s3_bucket, s3_faults, capsys, monkeypatch
+):
     """Defect 8: `etrain prepare` with an unknown --storage-option (TypeError) or to an endpoint that does
     not answer (EndpointConnectionError) now ends in one line before any work starts."""
     import s3fs
@@ -216,6 +240,7 @@ def test_prepare_names_a_bad_storage_option_and_an_unreachable_endpoint(tmp_path
     s3fs.S3FileSystem.clear_instance_cache()
 
 
+@ray_test
 def test_a_model_too_big_is_refused_and_a_worker_that_cannot_start_says_why(make_cfg, tmp_path, capsys):
     """Defect 8: a model too big for memory said "2 worker(s) lost while the group first formed; start the
     job again". The driver now refuses it from the estimate; a worker whose constructor fails anyway (a
@@ -231,9 +256,15 @@ def test_a_model_too_big_is_refused_and_a_worker_that_cannot_start_says_why(make
     run_dir = new_run_dir(cfg)
     workers = spawn(cfg, manifest, 1)
     held = lease.acquire(str(run_dir / "checkpoints"), run_dir.name, cfg.timeouts.lease_s)
-    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=4).remote(cfg.model_dump(), str(run_dir), manifest, time.time(), workers, held)
+    coordinator = (
+        ray.remote(Coordinator)
+        .options(num_cpus=0, max_concurrency=4)
+        .remote(cfg.model_dump(), str(run_dir), manifest, time.time(), workers, held)
+    )
     try:
-        with pytest.raises(JobError, match="a worker could not start: .*allocate.*the model does not fit a worker's memory"):
+        with pytest.raises(
+            JobError, match="a worker could not start: .*allocate.*the model does not fit a worker's memory"
+        ):
             ray.get(coordinator.run.remote(False))
     finally:
         ray.kill(coordinator)

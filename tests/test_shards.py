@@ -56,9 +56,14 @@ def test_rows_name_the_documents_they_were_packed_from(corpus):
     reader = ShardReader(corpus, "train")
     start = manifest["splits"]["train"]["shards"][0]["samples"]
     root = Path(sysconfig.get_paths()["stdlib"])
-    for row, names in zip([0, 7, shard["samples"] - 1], row_sources(str(Path(corpus).parent / shard["path"]), np.array([0, 7, shard["samples"] - 1]))):
+    for row, names in zip(
+        [0, 7, shard["samples"] - 1],
+        row_sources(str(Path(corpus).parent / shard["path"]), np.array([0, 7, shard["samples"] - 1])),
+    ):
         assert names and all(n.startswith("stdlib/") and n.endswith("#0") for n in names)
-        joined = b"".join((root / n.removeprefix("stdlib/").removesuffix("#0")).read_bytes() + bytes([tokenizer.EOT]) for n in names)
+        joined = b"".join(
+            (root / n.removeprefix("stdlib/").removesuffix("#0")).read_bytes() + bytes([tokenizer.EOT]) for n in names
+        )
         assert reader.get(np.array([start + row]))[0].tobytes() in joined
 
 

@@ -74,7 +74,11 @@ def test_loss_drops_and_run_dir_is_complete(make_cfg):
     assert [r["step"] for r in records] == list(range(1, 61))
     assert {"loss", "lr", "tokens_per_s", "step_time_s", "world_size"} <= set(records[0])
     assert (run_dir / "config.yaml").read_text() == cfg.to_yaml()
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["cursor.json", "step-00000030", "step-00000060"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "cursor.json",
+        "step-00000030",
+        "step-00000060",
+    ]
     assert checkpoint.read_cursor(str(run_dir / "checkpoints"))["step"] == 60
 
 

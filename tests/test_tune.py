@@ -72,7 +72,9 @@ def test_resume_refuses_a_study_that_others_can_write(tmp_path, capsys):
 @pytest.mark.usefixtures("ray_session")
 def test_search_survives_a_failing_trial_and_resumes_after_a_kill(data_dir, tmp_path):
     space = tmp_path / "space.yaml"
-    space.write_text("optim.lr: {loguniform: [1.0e-3, 1.0e-2]}\ndata.source: {choice: [embedded, /nonexistent/manifest.json]}\n")
+    space.write_text(
+        "optim.lr: {loguniform: [1.0e-3, 1.0e-2]}\ndata.source: {choice: [embedded, /nonexistent/manifest.json]}\n"
+    )
     out = tmp_path / "search"
     sets = [
         f"data.cache_dir={data_dir}",
@@ -103,7 +105,14 @@ def test_search_survives_a_failing_trial_and_resumes_after_a_kill(data_dir, tmp_
     ]
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     code = "import sys; from app.cli import main; sys.exit(main())"
-    driver = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 240
     while not list(out.glob("trials/*/summary.json")):  # the first trial finished
         assert driver.poll() is None, driver.stderr.read()[-3000:]
@@ -119,7 +128,9 @@ def test_search_survives_a_failing_trial_and_resumes_after_a_kill(data_dir, tmp_
     assert len(rows) == 3 and len({r["trial"] for r in rows}) == 3
     assert {r["status"] for r in rows} <= {"completed", "pruned", "failed"}
     failed = [r for r in rows if r["status"] == "failed"]
-    assert failed and all(r["params"]["data.source"] == "/nonexistent/manifest.json" and "nonexistent" in r["error"] for r in failed)
+    assert failed and all(
+        r["params"]["data.source"] == "/nonexistent/manifest.json" and "nonexistent" in r["error"] for r in failed
+    )
     # The trial that had finished its training before the kill trains no step again: if Tune had not
     # recorded it as done yet, it resumes from its last checkpoint, at its last step.
     assert finished in {r["trial"] for r in rows}

@@ -57,7 +57,9 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def rank_main(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks on two cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30)
+    )
     model = make_model()
     opt = make_zero(model)
     scheduler = make_scheduler(opt, CFG.optim, CFG.train.steps)  # lr in the param groups changes each step

@@ -53,7 +53,9 @@ def run_search(
     trainable = tune.with_parameters(_trial, base=base.model_dump(), root=str(out / "trials"), train=train)
     trainable = tune.with_resources(trainable, _resources(base))
     if resume:
-        tuner = tune.Tuner.restore(str(study), trainable, resume_unfinished=True, resume_errored=False, restart_errored=False)
+        tuner = tune.Tuner.restore(
+            str(study), trainable, resume_unfinished=True, resume_errored=False, restart_errored=False
+        )
     else:
         tuner = tune.Tuner(
             trainable,
@@ -85,7 +87,9 @@ def check(out: Path, resume: bool, pruning: bool, base: Config) -> None:
     if not resume and study.exists():
         raise ConfigError(f"{out} already holds a search; continue it with --resume, or choose another --out")
     if pruning and base.train.eval_every == 0:
-        raise ConfigError("early stopping (ASHA) judges trials by their evaluations: set train.eval_every > 0, or pass --no-pruning")
+        raise ConfigError(
+            "early stopping (ASHA) judges trials by their evaluations: set train.eval_every > 0, or pass --no-pruning"
+        )
 
 
 def check_trusted(out: Path) -> None:
@@ -101,17 +105,35 @@ def check_trusted(out: Path) -> None:
             )
 
 
-def _tune_config(base: Config, space: dict, trials: int, concurrency: int, seed: int, sampler: str, pruning: bool) -> tune.TuneConfig:
-    samplers = {"tpe": lambda: optuna.samplers.TPESampler(multivariate=True, seed=seed), "random": lambda: optuna.samplers.RandomSampler(seed=seed)}
+def _tune_config(
+    base: Config, space: dict, trials: int, concurrency: int, seed: int, sampler: str, pruning: bool
+) -> tune.TuneConfig:
+    samplers = {
+        "tpe": lambda: optuna.samplers.TPESampler(multivariate=True, seed=seed),
+        "random": lambda: optuna.samplers.RandomSampler(seed=seed),
+    }
     # OptunaSearch needs metric and mode itself when given a space: without them it maximises.
     search = OptunaSearch(space, metric=METRIC, mode="min", sampler=samplers[sampler]())
     steps, every = base.train.steps, base.train.eval_every
     scheduler = (
-        ASHAScheduler(time_attr="step", max_t=steps, grace_period=min(steps, every * 2), reduction_factor=3, stop_last_trials=False)
+        ASHAScheduler(
+            time_attr="step",
+            max_t=steps,
+            grace_period=min(steps, every * 2),
+            reduction_factor=3,
+            stop_last_trials=False,
+        )
         if pruning
         else FIFOScheduler()
     )
-    return tune.TuneConfig(metric=METRIC, mode="min", search_alg=search, scheduler=scheduler, num_samples=trials, max_concurrent_trials=concurrency)
+    return tune.TuneConfig(
+        metric=METRIC,
+        mode="min",
+        search_alg=search,
+        scheduler=scheduler,
+        num_samples=trials,
+        max_concurrent_trials=concurrency,
+    )
 
 
 def _resources(base: Config) -> tune.PlacementGroupFactory:
@@ -126,7 +148,13 @@ def _trial(params: dict, base: dict, root: str, train: Callable[..., dict]) -> N
     trial continues from its run's last checkpoint."""
     trial_id = tune.get_context().get_trial_id()
     run_dir = Path(root) / trial_id
-    fixed = {"run.root": root, "run.name": trial_id, "cluster.warm_pool": 0, "cluster.max_workers": None, "checkpoint.uri": None}
+    fixed = {
+        "run.root": root,
+        "run.name": trial_id,
+        "cluster.warm_pool": 0,
+        "cluster.max_workers": None,
+        "checkpoint.uri": None,
+    }
     cfg = override(Config.model_validate(base), {**params, **fixed})
     resume = run_dir.exists() and checkpoint.load_latest(str(run_dir / "checkpoints")) is not None
     if run_dir.exists() and not resume:
@@ -185,7 +213,10 @@ def _name_part(path: str | None, index: int) -> str | None:
 def format_table(rows: list[dict]) -> str:
     keys = list(rows[0]["params"]) if rows else []
     header = ["trial", *keys, METRIC, "steps", "status"]
-    body = [[r["trial"] or "?", *(_fmt(r["params"][k]) for k in keys), _fmt(r[METRIC]), str(r["steps"]), r["status"]] for r in rows]
+    body = [
+        [r["trial"] or "?", *(_fmt(r["params"][k]) for k in keys), _fmt(r[METRIC]), str(r["steps"]), r["status"]]
+        for r in rows
+    ]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in [header, *body])
 
@@ -235,7 +266,14 @@ class Progress(tune.Callback):
 
     def _show(self, advance: int = 0) -> None:
         if self.bar is None:
-            self.bar = tqdm(total=self.trials, initial=self.done - advance, unit="trial", desc="search", disable=not self.enabled, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=self.trials,
+                initial=self.done - advance,
+                unit="trial",
+                desc="search",
+                disable=not self.enabled,
+                dynamic_ncols=True,
+            )
         self.bar.update(advance)
         best = f"{self.best:.4f}" if self.best is not None else "-"
         self.bar.set_postfix(running=len(self.running), pruned=self.pruned, failed=self.failed, best=best)

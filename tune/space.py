@@ -33,7 +33,10 @@ def load_space(path: str | Path, base: Config) -> dict[str, dist.BaseDistributio
     except yaml.YAMLError as e:
         raise ConfigError(f"search space {path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict) or not raw:
-        raise ConfigError(f"search space {path}: give a mapping of config keys to distributions, e.g. optim.lr: {{loguniform: [1.0e-4, 1.0e-2]}}")
+        raise ConfigError(
+            f"search space {path}: give a mapping of config keys to distributions, e.g. optim.lr: "
+            f"{{loguniform: [1.0e-4, 1.0e-2]}}"
+        )
     return {str(key): parameter(str(key), spec, base) for key, spec in raw.items()}
 
 
@@ -42,7 +45,10 @@ def parameter(key: str, spec: Any, base: Config) -> dist.BaseDistribution:
     if key in FIXED:
         raise ConfigError(f"search space parameter {key!r} cannot be searched: {FIXED[key]}")
     if not (isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in KINDS):
-        raise ConfigError(f"search space parameter {key!r}: give exactly one of {', '.join(KINDS)} (e.g. {{uniform: [0.0, 0.2]}}), got {spec!r}")
+        raise ConfigError(
+            f"search space parameter {key!r}: give exactly one of {', '.join(KINDS)} (e.g. {{uniform: [0.0, 0.2]}}), "
+            f"got {spec!r}"
+        )
     kind, args = next(iter(spec.items()))
     if kind == "choice":
         if not isinstance(args, list) or not args:

@@ -81,7 +81,9 @@ def light_weights(weights: dict, hashes: dict[str, str], base_hashes: dict[str, 
     import torch
 
     compact = getattr(torch, dtype)
-    return {k: v.to(compact) if v.is_floating_point() else v for k, v in weights.items() if hashes[k] != base_hashes.get(k)}
+    return {
+        k: v.to(compact) if v.is_floating_point() else v for k, v in weights.items() if hashes[k] != base_hashes.get(k)
+    }
 
 
 class _Hashing(io.RawIOBase):

@@ -118,9 +118,13 @@ class PrepareConfig(Section):
     max_repeated_line_ratio: float = Field(0.3, ge=0, le=1, description="lines repeating an earlier line")
     max_repeated_ngram_ratio: float = Field(0.2, ge=0, le=1, description="word n-grams repeating an earlier one")
     ngram: int = Field(5, ge=1, description="word n-gram size for the repetition filter and MinHash shingles")
-    near_dup_threshold: float = Field(0.85, gt=0, le=1, description="MinHash Jaccard above which documents are near-duplicates")
+    near_dup_threshold: float = Field(
+        0.85, gt=0, le=1, description="MinHash Jaccard above which documents are near-duplicates"
+    )
     minhash_perms: int = Field(128, ge=16)
-    length_buckets: list[int] = Field([2_000, 20_000], description="character counts splitting short/medium/long logical shards")
+    length_buckets: list[int] = Field(
+        [2_000, 20_000], description="character counts splitting short/medium/long logical shards"
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> PrepareConfig:
@@ -137,13 +141,16 @@ class TrainConfig(Section):
     batch_scaling: Literal["constant", "linear"] = Field(
         "constant",
         description="constant: global_batch at any world size, so the loss trajectory does not depend on it; "
-        "linear: global_batch / num_workers samples per worker, and lr scaled by the same factor (the linear scaling rule)",
+        "linear: global_batch / num_workers samples per worker, and lr scaled by the same factor (the linear scaling "
+        "rule)",
     )
     micro_batch: int = Field(8, ge=1, description="samples per forward/backward; more are accumulated")
     seed: int = 0
     eval_every: int = Field(50, ge=0, description="steps between evaluations; 0 = only at the end")
     eval_samples: int = Field(64, ge=1, description="held-out sequences per evaluation")
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="bf16 autocast (CPU or GPU); fp16 + GradScaler (GPU)")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="bf16 autocast (CPU or GPU); fp16 + GradScaler (GPU)"
+    )
     outlier_sigmas: float = Field(
         3.0,
         ge=0,
@@ -151,14 +158,20 @@ class TrainConfig(Section):
         "mean + this many standard deviations, and quarantine its samples; 0 disables",
     )
     outlier_warmup: int = Field(20, ge=2, description="accepted steps before the outlier guard starts judging")
-    outlier_patience: int = Field(3, ge=1, description="outliers in a row that make the guard start over (a new regime)")
+    outlier_patience: int = Field(
+        3, ge=1, description="outliers in a row that make the guard start over (a new regime)"
+    )
     deterministic: bool = Field(
         False,
-        description="bitwise-repeatable losses, also across a lost worker, a resize or a resume: an equal split of each step "
+        description="bitwise-repeatable losses, also across a lost worker, a resize or a resume: an equal split of "
+        "each step "
         "whatever the workers' speeds (balance.enabled=false) and torch's deterministic algorithms",
     )
     max_nan_rollbacks: int = Field(
-        3, ge=0, description="a non-finite gradient rolls the run back to the last checkpoint with the lr halved, at most this many times; then the job fails"
+        3,
+        ge=0,
+        description="a non-finite gradient rolls the run back to the last checkpoint with the lr halved, at most this "
+        "many times; then the job fails",
     )
 
 
@@ -176,41 +189,64 @@ class CommConfig(Section):
     """Gradient synchronisation: all-reduce (bucketed, overlapping the backward pass, optionally
     compressed, optionally with sharded optimizer state) or a bounded-staleness parameter server."""
 
-    mode: Literal["allreduce", "ps"] = Field("allreduce", description="allreduce: DDP ring all-reduce; ps: parameter-server shards with bounded staleness")
+    mode: Literal["allreduce", "ps"] = Field(
+        "allreduce", description="allreduce: DDP ring all-reduce; ps: parameter-server shards with bounded staleness"
+    )
     compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
         "none", description="fp16/bf16/powersgd: torch's DDP hooks; topk: ours, with error feedback"
     )
     topk_ratio: float = Field(0.1, gt=0, le=1, description="topk: fraction of gradient entries sent per step")
     powersgd_rank: int = Field(2, ge=1, description="powersgd: rank of the low-rank approximation")
     compress_start: int = Field(
-        20, ge=2, description="topk, powersgd: steps of plain all-reduce before compressing (PowerSGD counts them again after each membership change)"
+        20,
+        ge=2,
+        description="topk, powersgd: steps of plain all-reduce before compressing (PowerSGD counts them again after "
+        "each membership change)",
     )
-    bucket_mb: float = Field(25, gt=0, description="DDP bucket size: gradients are sent bucket by bucket during backward")
+    bucket_mb: float = Field(
+        25, gt=0, description="DDP bucket size: gradients are sent bucket by bucket during backward"
+    )
     zero: bool = Field(False, description="ZeRO-1: each worker keeps only its shard of the optimizer state")
     ps_shards: int = Field(2, ge=1, description="ps: parameter-server actors, spread over nodes")
-    ps_window_s: float = Field(0.3, gt=0, description="ps: how long an update waits for a late gradient before going on without it")
-    ps_max_staleness: int = Field(4, ge=1, description="ps: the most updates a gradient may lag behind; fast workers wait beyond it")
+    ps_window_s: float = Field(
+        0.3, gt=0, description="ps: how long an update waits for a late gradient before going on without it"
+    )
+    ps_max_staleness: int = Field(
+        4, ge=1, description="ps: the most updates a gradient may lag behind; fast workers wait beyond it"
+    )
 
 
 class BalanceConfig(Section):
     """Straggler-aware split of each step's global batch (the global batch itself never changes)."""
 
     enabled: bool = Field(True, description="give each worker a share of the batch proportional to its speed")
-    slow_below: float = Field(0.8, gt=0, lt=1, description="rebalance when a worker is slower than this fraction of the mean speed")
+    slow_below: float = Field(
+        0.8, gt=0, lt=1, description="rebalance when a worker is slower than this fraction of the mean speed"
+    )
     ema: float = Field(0.3, gt=0, le=1, description="weight of the newest step in each worker's speed average")
-    patience: int = Field(3, ge=1, description="steps in a row a straggler (or its recovery) must be seen before the split changes")
+    patience: int = Field(
+        3, ge=1, description="steps in a row a straggler (or its recovery) must be seen before the split changes"
+    )
 
 
 class CheckpointConfig(Section):
-    every: int = Field(50, ge=0, description="steps between full checkpoints (weights, optimizer, scheduler, scaler); 0 = only at the end")
+    every: int = Field(
+        50,
+        ge=0,
+        description="steps between full checkpoints (weights, optimizer, scheduler, scaler); 0 = only at the end",
+    )
     light_every: int = Field(
         0,
         ge=0,
         description="steps between light checkpoints (changed weights only, in light_dtype; "
         "a resume from one takes the optimizer state of the last full one, so it is not exact); 0 = none",
     )
-    light_dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="dtype of a light checkpoint's weights")
-    async_save: bool = Field(True, description="write checkpoints in the background: a step waits only while the state is copied")
+    light_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="dtype of a light checkpoint's weights"
+    )
+    async_save: bool = Field(
+        True, description="write checkpoints in the background: a step waits only while the state is copied"
+    )
     uri: str | None = Field(None, description="directory or URI; default RUN_DIR/checkpoints")
     keep: int = Field(3, ge=1, description="full checkpoints kept (and as many light ones after the newest)")
 
@@ -222,7 +258,10 @@ class ClusterConfig(Section):
     address: str | None = Field(None, description="Ray address; default RAY_ADDRESS or a new local instance")
     warm_pool: int = Field(1, ge=0, description="built workers kept outside the group for joins and replacements")
     max_workers: int | None = Field(
-        None, ge=1, description="autoscale: grow onto free cluster resources up to this many workers; None: stay at num_workers (or what `etrain scale` asks)"
+        None,
+        ge=1,
+        description="autoscale: grow onto free cluster resources up to this many workers; None: stay at num_workers "
+        "(or what `etrain scale` asks)",
     )
     max_recoveries: int = Field(3, ge=0, description="lost-worker recoveries before the job fails")
 
@@ -231,15 +270,14 @@ class TimeoutConfig(Section):
     """Every wait of a run is bounded by one of these, so a dead or hung peer surfaces as an error, never a hang.
     The first three nest, innermost first.
 
-    | key           | bounds                                                                          | default |
-    |---------------|---------------------------------------------------------------------------------|---------|
-    | collective_s  | one all-reduce or barrier (the torch process group's timeout)                   | 60      |
-    | step_s        | one whole step on every worker, collectives included; an evaluation; a save's staging | 180 |
-    | join_s        | workers started, group formed, state loaded; the driver's wait for the coordinator's answer | 300 |
-    | ping_s        | a live worker's answer to a ping: one that does not answer is taken for hung    | 2       |
-    | connect_s     | reaching the Ray cluster (a dead address, a refused token)                      | 30      |
-    | lease_s       | a run's lease not renewed for this long is stale: another driver may take the run over | 60 |
-    | close_s       | an ending run's last writes and cleanup (the cursor, the node caches), and a resumed run's wait for the old coordinator to go | 30 |
+    - collective_s (60): one all-reduce or barrier (the torch process group's timeout)
+    - step_s (180): one whole step on every worker, collectives included; an evaluation; a save's staging
+    - join_s (300): workers started, group formed, state loaded; the driver's wait for the coordinator's answer
+    - ping_s (2): a live worker's answer to a ping: one that does not answer is taken for hung
+    - connect_s (30): reaching the Ray cluster (a dead address, a refused token)
+    - lease_s (60): a run's lease not renewed for this long is stale: another driver may take the run over
+    - close_s (30): an ending run's last writes and cleanup (the cursor, the node caches), and a resumed run's wait
+      for the old coordinator to go
     """
 
     collective_s: float = Field(60, gt=0)
@@ -253,20 +291,29 @@ class TimeoutConfig(Section):
     @model_validator(mode="after")
     def _nested(self) -> TimeoutConfig:
         if not self.collective_s < self.step_s < self.join_s:
-            raise ValueError(f"timeouts must nest: collective_s < step_s < join_s, got {self.collective_s} / {self.step_s} / {self.join_s}")
+            raise ValueError(
+                f"timeouts must nest: collective_s < step_s < join_s, got {self.collective_s} / {self.step_s} / "
+                f"{self.join_s}"
+            )
         if self.ping_s >= self.step_s:
-            raise ValueError(f"timeouts.ping_s={self.ping_s} must be below timeouts.step_s={self.step_s}: a ping is a moment, a step is not")
+            raise ValueError(
+                f"timeouts.ping_s={self.ping_s} must be below timeouts.step_s={self.step_s}: a ping is a moment, a "
+                "step is not"
+            )
         return self
 
 
 class Fault(Section):
     """Failure injection for tests and drills (actors/faults.py): at `step` (1-based), worker `rank` dies (before its
-    step, or inside the gradient all-reduce), hangs, slows down, computes a NaN loss, or a loss `factor` times too large."""
+    step, or inside the gradient all-reduce), hangs, slows down, computes a NaN loss, or a loss `factor` times too
+    large."""
 
     rank: int = Field(ge=0)
     step: int = Field(ge=1)
     kind: Literal["kill", "kill_in_allreduce", "hang", "slow", "nan", "spike"] = "kill"
-    factor: float = Field(2.0, ge=1, description="slow: compute takes this many times as long from `step` on (a straggler)")
+    factor: float = Field(
+        2.0, ge=1, description="slow: compute takes this many times as long from `step` on (a straggler)"
+    )
 
 
 class RunConfig(Section):
@@ -296,7 +343,9 @@ class Config(Section):
             return raw
         balance = raw.get("balance") or {}
         if balance.get("enabled") is True:
-            raise ValueError("train.deterministic=true splits every step equally: it needs balance.enabled=false (or leave it out)")
+            raise ValueError(
+                "train.deterministic=true splits every step equally: it needs balance.enabled=false (or leave it out)"
+            )
         return {**raw, "balance": {**balance, "enabled": False}}
 
     @model_validator(mode="after")
@@ -305,30 +354,44 @@ class Config(Section):
             raise ValueError("train.precision=fp16 needs a GPU (cluster.gpus_per_worker > 0); use bf16 on CPU")
         if self.train.global_batch < self.cluster.num_workers:
             raise ValueError(
-                f"train.global_batch={self.train.global_batch} is smaller than cluster.num_workers={self.cluster.num_workers}: every worker needs a sample"
+                f"train.global_batch={self.train.global_batch} is smaller than "
+                f"cluster.num_workers={self.cluster.num_workers}: every worker needs a sample"
             )
         if self.cluster.max_workers is not None and self.cluster.max_workers < self.cluster.num_workers:
-            raise ValueError(f"cluster.max_workers={self.cluster.max_workers} is below cluster.num_workers={self.cluster.num_workers}")
+            raise ValueError(
+                f"cluster.max_workers={self.cluster.max_workers} is below "
+                f"cluster.num_workers={self.cluster.num_workers}"
+            )
         if (self.cluster.max_workers or 0) > self.train.global_batch and self.train.batch_scaling == "constant":
             raise ValueError(
-                f"cluster.max_workers={self.cluster.max_workers} exceeds train.global_batch={self.train.global_batch}: every worker needs a sample"
+                f"cluster.max_workers={self.cluster.max_workers} exceeds train.global_batch={self.train.global_batch}: "
+                "every worker needs a sample"
             )
         if self.comm.mode == "ps" and (self.comm.zero or self.comm.compression != "none"):
-            raise ValueError("comm.mode=ps sends whole gradients to the parameter servers: comm.zero and comm.compression apply to allreduce only")
+            raise ValueError(
+                "comm.mode=ps sends whole gradients to the parameter servers: comm.zero and comm.compression apply to "
+                "allreduce only"
+            )
         if self.comm.mode == "ps" and self.train.deterministic:
-            raise ValueError("comm.mode=ps is not repeatable (which update a gradient lands in depends on timing): it cannot be train.deterministic")
+            raise ValueError(
+                "comm.mode=ps is not repeatable (which update a gradient lands in depends on timing): it cannot be "
+                "train.deterministic"
+            )
         if self.comm.mode == "ps" and (self.train.batch_scaling == "linear" or self.train.precision == "fp16"):
             raise ValueError(
-                "comm.mode=ps needs train.batch_scaling=constant (a step is one global batch) and no fp16 (the shards have no loss scaler): use bf16"
+                "comm.mode=ps needs train.batch_scaling=constant (a step is one global batch) and no fp16 (the shards "
+                "have no loss scaler): use bf16"
             )
         if self.comm.zero and self.checkpoint.every == 0:
             raise ValueError(
-                "comm.zero needs checkpoint.every > 0: a lost worker takes its optimizer shard along, and the job goes back to the last checkpoint"
+                "comm.zero needs checkpoint.every > 0: a lost worker takes its optimizer shard along, and the job goes "
+                "back to the last checkpoint"
             )
         if self.comm.mode == "ps" and self.train.global_batch % self.cluster.num_workers:
             raise ValueError(
                 f"comm.mode=ps gives each worker train.global_batch / cluster.num_workers samples per push: "
-                f"make train.global_batch={self.train.global_batch} a multiple of cluster.num_workers={self.cluster.num_workers}"
+                f"make train.global_batch={self.train.global_batch} a multiple of "
+                f"cluster.num_workers={self.cluster.num_workers}"
             )
         largest = max(self.cluster.num_workers, self.cluster.max_workers or 0)
         for i, fault in enumerate(self.faults):
@@ -398,7 +461,9 @@ def resolve_preset(config: str) -> Path:
     if preset.is_file():
         return preset
     names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-    raise ConfigError(f"no config file or preset named {config!r}{_did_you_mean(config, names)}; presets: {', '.join(names)}")
+    raise ConfigError(
+        f"no config file or preset named {config!r}{_did_you_mean(config, names)}; presets: {', '.join(names)}"
+    )
 
 
 def validate(raw: dict[str, Any]) -> Config:
@@ -450,7 +515,10 @@ def _check_keys(raw: Any, model: type[BaseModel], prefix: str) -> None:
         where = f"{prefix}{key}"
         if key not in fields:
             known = list(fields)
-            raise ConfigError(f"unknown config key {where!r}{_did_you_mean(str(key), known, prefix)}; allowed here: {', '.join(known)}")
+            raise ConfigError(
+                f"unknown config key {where!r}{_did_you_mean(str(key), known, prefix)}; allowed here: "
+                f"{', '.join(known)}"
+            )
         sub = fields[key].annotation
         if isinstance(sub, type) and issubclass(sub, BaseModel):
             if not isinstance(value, dict):

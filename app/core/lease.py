@@ -76,10 +76,22 @@ def _take(path: str, run: str, ttl_s: float) -> Lease:
             )
         if held is not None:
             log.warning(
-                "taking over the stale lease of host %s pid %s on run %s (renewed %.0f s ago)", held["host"], held["pid"], run, time.time() - held["renewed"]
+                "taking over the stale lease of host %s pid %s on run %s (renewed %.0f s ago)",
+                held["host"],
+                held["pid"],
+                run,
+                time.time() - held["renewed"],
             )
         now = time.time()
-        owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex, "run": run, "started": now, "renewed": now, "ttl_s": ttl_s}
+        owner = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "token": uuid.uuid4().hex,
+            "run": run,
+            "started": now,
+            "renewed": now,
+            "ttl_s": ttl_s,
+        }
         try:
             return Lease(path, owner, _swap(path, owner, version))
         except _Conflict:
@@ -96,7 +108,8 @@ def renew(lease: Lease) -> None:
         held, _ = _read(lease.path)
         by = f"host {held['host']} pid {held['pid']}" if held else "nobody (the lease file is gone)"
         raise LeaseLost(
-            f"the run's lease {lease.path} is now held by {by}: another driver took the run over while this one was taken for gone; this driver stops"
+            f"the run's lease {lease.path} is now held by {by}: another driver took the run over while this one was "
+            "taken for gone; this driver stops"
         ) from None
     lease.owner = owner
 
@@ -109,7 +122,12 @@ def release(lease: Lease) -> None:
             fs, p = fsspec.core.url_to_fs(lease.path)
             fs.rm(p)
     except STORAGE_ERRORS as e:
-        log.warning("could not release the run's lease %s: %s (it goes stale in %.0f s)", lease.path, describe(e), lease.owner["ttl_s"])
+        log.warning(
+            "could not release the run's lease %s: %s (it goes stale in %.0f s)",
+            lease.path,
+            describe(e),
+            lease.owner["ttl_s"],
+        )
 
 
 class Keeper:

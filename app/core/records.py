@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 
 from app.core.config import Config
 
-# The parts a step's wall time splits into (train records: `{part}_s`; the dashboard's `step_seconds{part}`; the report's
-# plot), and the phases of a membership change (membership records: `phases`; the dashboard's scale latency).
+# The parts a step's wall time splits into (train records: `{part}_s`; the dashboard's `step_seconds{part}`; the
+# report's plot), and the phases of a membership change (membership records: `phases`; the dashboard's scale latency).
 STEP_PARTS = ("compute", "communication", "data_wait", "other", "checkpoint_stall")
 CHANGE_PHASES = ("detect", "acquire", "migrate", "reform", "first_step")
 
@@ -28,7 +28,8 @@ class Record:
     step: int
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, **asdict(self), "time": time.time()}
+        """The line written: its kind, its fields that have a value, the time."""
+        return {"kind": self.kind, **{k: v for k, v in asdict(self).items() if v is not None}, "time": time.time()}
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Train(Record):
     def as_dict(self) -> dict:
         d = super().as_dict()
         d.update(d.pop("extra"))
-        return {k: v for k, v in d.items() if v is not None}
+        return d
 
 
 @dataclass
@@ -175,7 +176,20 @@ class PSSummary(Record):
     shards: list[dict]
 
 
-KINDS = (Train, Eval, Membership, Autoscale, Balance, Outlier, NanRollback, Checkpoint, CheckpointFailed, Rewind, Warn, PSSummary)
+KINDS = (
+    Train,
+    Eval,
+    Membership,
+    Autoscale,
+    Balance,
+    Outlier,
+    NanRollback,
+    Checkpoint,
+    CheckpointFailed,
+    Rewind,
+    Warn,
+    PSSummary,
+)
 
 
 def append_jsonl(path: Path, record: dict) -> None:

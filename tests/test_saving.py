@@ -1,0 +1,49 @@
+"""The coordinator's side of checkpoints without Ray: which level is due when, and where a resume lands."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.control import JobError
+from actors.saving import Saver
+from app.core import checkpoint
+from app.core.config import load_config
+
+
+def saver(tmp_path, *overrides: str) -> Saver:
+    cfg = load_config("tiny", list(overrides))
+    return Saver(cfg, str(tmp_path / "ck"), record=lambda r: None, gather=None)
+
+
+def test_levels_follow_their_cadences(tmp_path):
+    s = saver(tmp_path, "train.steps=16", "checkpoint.every=9", "checkpoint.light_every=3")
+    assert [s.level(step) for step in (1, 3)] == [None, "full"]  # a light one needs a full base first
+    s.base = {"dir": "step-00000003", "step": 3, "hashes": {}}
+    assert [s.level(step) for step in (6, 9, 12, 15, 16)] == [
+        "light",
+        "full",
+        "light",
+        "light",
+        "full",
+    ]  # the last step: full
+    s.close()
+
+
+def test_no_checkpoint_means_the_start_and_a_rollback_needs_one(tmp_path):
+    s = saver(tmp_path)
+    point = s.resume_point(load_config("tiny").hash())
+    assert (
+        point.ckpt is None
+        and point.meta == {"step": 0, "cursor": 0, "level": None}
+        and "no committed checkpoint" in point.reason
+    )
+    with pytest.raises(JobError, match="a non-finite gradient needs a checkpoint to go back to"):
+        s.rollback_point(load_config("tiny").hash(), "a non-finite gradient", "resume with X")
+    checkpoint.save(
+        str(tmp_path / "ck"), 4, {"model.pt": {}}, {"cursor": 64, "config_hash": load_config("tiny").hash()}, keep=3
+    )
+    point = s.resume_point(load_config("tiny").hash())
+    assert (point.meta["step"], point.meta["cursor"]) == (4, 64)
+    with pytest.raises(JobError, match="different model/data/optimizer config"):
+        s.resume_point(load_config("tiny", ["optim.lr=1e-4"]).hash())
+    s.close()
