@@ -2,7 +2,8 @@
 
 A wait ends at the first failure or at its deadline. Then every worker asked is pinged
 (`timeouts.ping_s`): the dead and the silent are stopped and raised as WorkersLost, so the
-caller can replace them; if all answer, the failure is on live workers, which no
+caller can replace them (one silent because it waits in a rendezvous for a peer that is gone is
+released instead, and kept); if all answer, the failure is on live workers, which no
 replacement would mend, and a JobError says so. A worker whose constructor failed is a
 JobError too: a replacement built from the same config would fail the same way.
 """
@@ -58,12 +59,23 @@ def find_lost(workers: list, what: str, cause, ping_s: float, retire: Callable[[
     for worker, ref in pings.items():
         try:
             ray.get(ref, timeout=ping_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        except ray.exceptions.RayActorError:
             lost.append(worker)
+        except ray.exceptions.GetTimeoutError:  # busy: hung, or waiting in a rendezvous for a peer that is gone
+            if not released(worker, ping_s):
+                lost.append(worker)
     retire(lost)
     if not lost:
         raise JobError(f"{what} failed on live workers: {cause}")
     return lost
+
+
+def released(worker, ping_s: float) -> bool:
+    """Whether `worker` was waiting for its peers to meet, and is now let go (actors/worker.py `release`)."""
+    try:
+        return ray.get(worker.release.remote(), timeout=ping_s)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
 
 
 def could_not_start(error: ray.exceptions.RayActorError) -> str:

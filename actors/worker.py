@@ -11,6 +11,7 @@ import gc
 import math
 import os
 import re
+import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -70,6 +71,7 @@ class TrainWorker:
         self.slowdown = 1.0  # > 1: an injected straggler (fault kind "slow")
         self.poisoned = 0.0  # this step's loss is multiplied by it (fault kinds "nan", "spike")
         self._store: dist.TCPStore | None = None
+        self._meeting: threading.Event | None = None  # set while join waits for its peers: `release` ends the wait
         self.rank, self.world = -1, 0
         self.applied = 0  # optimizer steps in this worker's state: which step it can resume from
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")  # one save at a time, off the step's path
@@ -122,10 +124,12 @@ class TrainWorker:
             if rank == 0
             else dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeouts.join_s))
         )
+        store = dist.PrefixStore(f"gen{generation}/", store)
+        self._meet(store, world)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(f"gen{generation}/", store),
+            store=store,
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=timeouts.collective_s),
@@ -144,6 +148,33 @@ class TrainWorker:
         self.sync.register(self.ddp)
         if comm.zero:
             self._shard_optimizer()
+
+    def _meet(self, store: dist.Store, world: int) -> None:
+        """Wait until every rank of the generation has arrived, before the process group forms. torch's own
+        rendezvous would wait for a peer that died on its way until timeouts.join_s, deaf to the coordinator's
+        pings, and be taken for hung; this wait is a loop that `release` can end."""
+        self._meeting = threading.Event()
+        try:
+            store.add("arrived", 1)
+            deadline = time.monotonic() + self.cfg.timeouts.join_s
+            while store.add("arrived", 0) < world:
+                if self._meeting.is_set():
+                    raise RuntimeError("released from the rendezvous: a peer of this group was lost on its way")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"a peer did not reach the rendezvous within {self.cfg.timeouts.join_s:.0f} s")
+                time.sleep(0.01)
+        finally:
+            self._meeting = None
+
+    @ray.method(concurrency_group="control")
+    def release(self) -> bool:
+        """Answered beside the running call (actors/gather.py asks a worker that missed a ping): True if that call
+        is a wait for peers in the rendezvous, which this ends; the worker is then free for the next group."""
+        meeting = self._meeting
+        if meeting is None:
+            return False
+        meeting.set()
+        return True
 
     def _shard_optimizer(self) -> None:
         """ZeRO-1 over the current group: keep only this rank's shard of the optimizer state.
@@ -507,7 +538,8 @@ class TrainWorker:
 def spawn(cfg: Config, manifest: str, count: int) -> list:
     """Start `count` worker actors; they build their models in parallel."""
     cluster = cfg.cluster
-    remote = ray.remote(TrainWorker).options(
+    # `release` has a thread of its own: it must answer while a join waits for its peers
+    remote = ray.remote(concurrency_groups={"control": 1})(TrainWorker).options(
         num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker, max_restarts=0
     )
     return [remote.remote(cfg.model_dump(), manifest) for _ in range(count)]

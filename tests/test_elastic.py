@@ -9,12 +9,16 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 from runs import FAST, records, run, run_scaled
 
+from actors.gather import find_lost
+from actors.worker import spawn
 from app import api
 from app.cli import main
 from app.core.optim import lr_factor
 from app.job import new_run_dir, train
+from pipelines.embedded import ensure_corpus
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -30,7 +34,11 @@ def test_lost_worker_is_replaced_and_the_step_redone(make_cfg, reference, kind):
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, 61))  # nothing lost, nothing repeated
     first, *later = records(run_dir, "membership")
-    assert (first["reason"], first["world_before"], first["lost"], first["step"]) == ("recover", 2, 1, 24)
+    # Killed inside the all-reduce after sending its gradient, rank 1 may have given the survivor every share:
+    # then the survivor's step 25 is whole, and committed (without a loss: rank 1's share of it never came back).
+    committed = (24, 25) if kind == "kill_in_allreduce" else (24,)
+    assert (first["reason"], first["world_before"], first["lost"]) == ("recover", 2, 1)
+    assert first["step"] in committed
     assert set(first["phases"]) == {"detect", "acquire", "migrate", "reform", "first_step"}
     # A ready pool worker replaces the lost one at once; if none is ready yet, the survivor goes on
     # alone and the pool worker joins as soon as it is ready. Training never waits for a process start.
@@ -40,9 +48,10 @@ def test_lost_worker_is_replaced_and_the_step_redone(make_cfg, reference, kind):
     # The failed step was discarded and redone by the new group: the trajectory is the uninterrupted one
     # (bitwise when the world size came back at once; a different world only reorders float sums).
     expected = {r["step"]: r["loss"] for r in records(reference, "train")}
-    assert all(abs(r["loss"] - expected[r["step"]]) < 1e-3 for r in steps)
+    measured = {r["step"]: r["loss"] for r in steps if r.get("loss") is not None}
+    assert len(measured) >= 59 and all(abs(loss - expected[step]) < 1e-3 for step, loss in measured.items())
     if not regrow:
-        assert {r["step"]: r["loss"] for r in steps} == expected
+        assert measured == {step: expected[step] for step in measured}
 
 
 def test_autoscaling_grows_onto_free_room_with_linear_scaling(make_cfg):
@@ -108,3 +117,22 @@ def test_a_worker_lost_as_a_scale_out_begins_is_recovered(make_cfg):
 def test_scale_names_what_is_wrong(make_cfg, capsys):
     assert main(["scale", "no-such-run", "--workers", "2"]) == 2
     assert "no running job 'etrain:no-such-run'" in capsys.readouterr().err
+
+
+def test_a_worker_waiting_in_the_rendezvous_for_a_dead_peer_is_released_not_lost(make_cfg):
+    """A peer killed on its way to the rendezvous: the one waiting for it misses the ping (its only thread is in
+    the wait), is released instead of taken for hung, and forms the next group at once, its state kept."""
+    cfg = make_cfg(*FAST, "run.name=rendezvous", "timeouts.join_s=120")
+    waiting, dead = spawn(cfg, ensure_corpus(cfg), 2)
+    host, port = ray.get(waiting.host_store.remote())
+    ray.kill(dead)
+    join = waiting.join.remote(0, 2, host, port, 1)
+    time.sleep(1)  # it is waiting now
+    assert find_lost([waiting, dead], "process group formation", "a test", cfg.timeouts.ping_s, lambda lost: None) == [
+        dead
+    ]
+    with pytest.raises(ray.exceptions.RayTaskError, match="released from the rendezvous"):
+        ray.get(join, timeout=10)  # at once, not after timeouts.join_s
+    ray.get(waiting.join.remote(0, 1, host, port, 2), timeout=30)  # a group of its own, at once
+    assert ray.get(waiting.info.remote(), timeout=5)["pid"]
+    ray.kill(waiting)
