@@ -257,6 +257,17 @@ def main() -> None:
     report(rows, args)
 
 
+def spreads(rows: list[dict]) -> dict:
+    """Each median's rounds, lowest and highest."""
+    out = {}
+    for v, w in sorted({(r["variant"], r["workers"]) for r in rows}):
+        same = [r for r in rows if (r["variant"], r["workers"]) == (v, w)]
+        out[f"{v}-{w}w"] = {
+            m: [min(r[m] for r in same), max(r[m] for r in same)] for m in ("tokens_per_s", "first_step_s")
+        }
+    return out
+
+
 def medians(rows: list[dict]) -> dict:
     out = {}
     for key in {(r["variant"], r["workers"]) for r in rows}:
@@ -291,6 +302,7 @@ def report(rows: list[dict], args) -> None:
                 "args": vars(args),
                 "rows": rows,
                 "medians": {f"{v}-{w}w": m for (v, w), m in get.items()},
+                "spread": spreads(rows),
                 "ratios": ratios,
                 "when": time.strftime("%Y-%m-%d %H:%M"),
             },
