@@ -68,7 +68,7 @@ def _log_traceback(error: BaseException, path: Path | None) -> Path:
 
 def cmd_train(args, started_at: float) -> int:
     from app.core.config import ConfigError, load_config
-    from app.job import durable, new_run_dir, train
+    from app.job import durable, new_run_dir, train, trainable
 
     if args.resume and args.config:
         raise ConfigError("--resume takes the run's own config.yaml; drop --config (use --set for resumable keys)")
@@ -76,7 +76,7 @@ def cmd_train(args, started_at: float) -> int:
         run_dir = durable(Path(args.resume).expanduser().resolve(), "--resume")
         cfg = _resume_config(run_dir, args.set)
     else:
-        cfg = load_config(args.config, args.set)
+        cfg = trainable(load_config(args.config, args.set))
         run_dir = new_run_dir(cfg)
     args.log_file = run_dir / "driver.log"
     args.resume_hint = f"; resume with `etrain train --resume {run_dir}`"

@@ -51,3 +51,20 @@ def test_gpu_1b_preset_has_about_a_billion_parameters():
     with torch.device("meta"):
         n = GPT(cfg).num_params()
     assert 1.0e9 < n < 1.5e9
+
+
+def test_a_checkpoint_with_the_older_fused_qkv_weight_loads_into_separate_projections():
+    cfg = load_config("tiny").model
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    old = {}
+    for name, t in model.state_dict().items():  # the layout written before q, k and v were apart
+        if ".attn.q." in name:
+            base = name.replace(".q.weight", "")
+            old[f"{base}.qkv.weight"] = torch.cat([model.state_dict()[f"{base}.{p}.weight"] for p in "qkv"])
+        elif not any(f".attn.{p}." in name for p in "kv"):
+            old[name] = t
+    fresh = GPT(cfg)
+    fresh.load_state_dict(old)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    assert torch.equal(fresh(idx)[0], model(idx)[0])

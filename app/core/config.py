@@ -86,6 +86,24 @@ class ModelConfig(Section):
         return self
 
 
+class ParallelConfig(Section):
+    """How one model replica is laid out (app/core/parallel.py): `tp` ranks split each block's tensors, `pp` ranks
+    split the blocks into pipeline stages. A replica is tp × pp ranks; the data-parallel degree is the number of
+    replicas, workers / (tp × pp)."""
+
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks per replica (one node): each holds n_head / tp heads")
+    pp: int = Field(1, ge=1, description="pipeline stages per replica: each holds about n_layer / pp blocks")
+    microbatches: int = Field(4, ge=1, description="pipeline micro-batches per step (pp > 1); at least pp")
+    schedule: Literal["1f1b", "gpipe"] = Field(
+        "1f1b", description="1f1b: each micro-batch's activations freed after its backward, soon; gpipe: all at the end"
+    )
+
+    @property
+    def ranks(self) -> int:
+        """Ranks per replica."""
+        return self.tp * self.pp
+
+
 class DataConfig(Section):
     source: str = Field("embedded", description="'embedded' (stdlib corpus) or a manifest.json path/URI")
     cache_dir: str = Field("~/.cache/etrain/data", description="where the embedded corpus is built (path or URI)")
@@ -331,6 +349,7 @@ class Config(Section):
     balance: BalanceConfig = BalanceConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     cluster: ClusterConfig = ClusterConfig()
+    parallel: ParallelConfig = ParallelConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     run: RunConfig = RunConfig()
     faults: list[Fault] = Field([], description="injected failures (testing); see Fault")
@@ -404,6 +423,50 @@ class Config(Section):
             raise ValueError(
                 f"train.batch_scaling=linear needs train.global_batch={self.train.global_batch} to be a multiple of "
                 f"cluster.num_workers={self.cluster.num_workers} (it is the per-worker batch times the workers)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _layout(self) -> Config:
+        """What a tp × pp replica needs of the model and the batch, and what it does not support yet, by name."""
+        par, m = self.parallel, self.model
+        if par.ranks == 1:
+            return self
+        if m.n_head % par.tp:
+            raise ValueError(
+                f"parallel.tp={par.tp} must divide model.n_head={m.n_head}: each tensor-parallel rank holds whole heads"
+            )
+        if m.n_layer < par.pp:
+            raise ValueError(f"parallel.pp={par.pp} exceeds model.n_layer={m.n_layer}: every stage needs a block")
+        if par.pp > 1 and par.microbatches < par.pp:
+            raise ValueError(
+                f"parallel.microbatches={par.microbatches} is below parallel.pp={par.pp}: the pipeline never fills"
+            )
+        for key, workers in (("num_workers", self.cluster.num_workers), ("max_workers", self.cluster.max_workers)):
+            if workers and workers % par.ranks:
+                raise ValueError(
+                    f"cluster.{key}={workers} is not a whole number of replicas of parallel.tp × parallel.pp = "
+                    f"{par.ranks} ranks"
+                )
+        per = par.microbatches if par.pp > 1 else 1
+        replicas = self.cluster.num_workers // par.ranks
+        if self.train.global_batch % (replicas * per):
+            raise ValueError(
+                f"train.global_batch={self.train.global_batch} must split into {replicas} replica(s) × "
+                f"{per} micro-batch(es) of equal size"
+            )
+        unsupported = {
+            "comm.mode=ps": self.comm.mode == "ps",
+            "comm.zero": self.comm.zero,
+            f"comm.compression={self.comm.compression}": self.comm.compression != "none",
+            "train.precision=fp16": self.train.precision == "fp16",
+            "train.batch_scaling=linear": self.train.batch_scaling == "linear",
+        }
+        refused = [name for name, used in unsupported.items() if used]
+        if refused:
+            raise ValueError(
+                f"{', '.join(refused)} with parallel.tp × parallel.pp > 1 is not supported yet; "
+                "leave it out, or train with parallel.tp=1 parallel.pp=1"
             )
         return self
 

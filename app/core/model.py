@@ -31,19 +31,29 @@ class Rotary(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_head, self.dropout = cfg.n_head, cfg.dropout
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.head_dim, self.dropout = cfg.d_model // cfg.n_head, cfg.dropout
+        # q, k and v apart: split by output column (tensor parallelism), each rank keeps whole heads of all three
+        self.q, self.k, self.v = (nn.Linear(cfg.d_model, cfg.d_model, bias=False) for _ in range(3))
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.rotary = Rotary(cfg.d_model // cfg.n_head, cfg.seq_len) if cfg.positions == "rotary" else None
+        self.rotary = Rotary(self.head_dim, cfg.seq_len) if cfg.positions == "rotary" else None
+        self._register_load_state_dict_pre_hook(_split_fused_qkv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        b, t, _ = x.shape  # the heads a rank holds follow from the width it is given: n_head / tp under TP
+        q, k, v = (z(x).view(b, t, -1, self.head_dim).transpose(1, 2) for z in (self.q, self.k, self.v))
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         drop = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _split_fused_qkv(state_dict: dict, prefix: str, *args) -> None:
+    """Checkpoints written before q, k and v were apart hold one fused `qkv` weight: its rows are q | k | v."""
+    fused = state_dict.pop(prefix + "qkv.weight", None)
+    if fused is not None:
+        for name, part in zip("qkv", fused.chunk(3)):
+            state_dict[prefix + name + ".weight"] = part
 
 
 class Block(nn.Module):
@@ -70,7 +80,8 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.positions == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        # by index, so that a pipeline stage keeping some blocks (app/core/parallel.py) keeps their names
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
@@ -87,17 +98,28 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        x = self.embed(idx)
-        if self.pos is not None:
-            x = x + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        x = self.drop(x)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x))
+        logits = self.logits(idx)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        loss = next_token_loss(logits, targets)
         return logits, loss
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Through the parts this model holds: a pipeline stage (app/core/parallel.py) takes token ids or hidden
+        states and gives hidden states or logits."""
+        if self.embed is not None:
+            idx, x = x, self.embed(x)
+            if self.pos is not None:
+                x = x + self.pos(torch.arange(idx.shape[1], device=idx.device))
+            x = self.drop(x)
+        for block in self.blocks.values():
+            x = block(x)
+        return x if self.head is None else self.head(self.norm(x))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position, in fp32 whatever the logits' precision."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -1,0 +1,106 @@
+"""Ranks of one gloo group as processes on this host, and what a rank holds: the tensor/pipeline layouts'
+tests and benchmark run on these (app/core/parallel.py)."""
+
+from __future__ import annotations
+
+import io
+import socket
+import traceback
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from app.core.parallel import shard_of
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes this rank holds of `tensors` (its shard of a DTensor)."""
+    return sum(shard_of(t).numel() * shard_of(t).element_size() for t in tensors)
+
+
+class SavedBytes:
+    """The bytes autograd keeps for backward, and their peak while this context is open: the activation memory,
+    where (on CPU) the allocator keeps no statistics. Weights saved for backward are not activations: left out."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+        self._refs: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor):
+        if t.is_leaf and t.requires_grad:
+            return t
+        storage = shard_of(t).untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if not self._refs.get(key):
+            self.now += size
+            self.peak = max(self.peak, self.now)
+        self._refs[key] = self._refs.get(key, 0) + 1
+        held = _Held(t)
+        weakref.finalize(held, self._release, key, size)
+        return held
+
+    @staticmethod
+    def _unpack(held):
+        return held.t if isinstance(held, _Held) else held
+
+    def _release(self, key: int, size: int) -> None:
+        self._refs[key] -= 1
+        if not self._refs[key]:
+            del self._refs[key]
+            self.now -= size
+
+
+class _Held:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
+def local_group(world: int, fn, *args) -> dict[int, object]:
+    """rank -> fn(rank, world, *args), each rank a process of one gloo group on this host: the layouts' tests and
+    benchmark. A rank that fails fails the call, with its traceback."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_local_rank, args=(r, world, port, fn, args, out), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in procs:
+            rank, ok, value = out.get(timeout=600)
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {world} failed:\n{value}")
+            results[rank] = torch.load(io.BytesIO(value), weights_only=True)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def _local_rank(rank: int, world: int, port: int, fn, args, out) -> None:
+    torch.set_num_threads(1)  # one core per rank: ranks share this host's cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = io.BytesIO()  # by value: a tensor shared by handle would die with this process
+        torch.save(fn(rank, world, *args), result)
+        out.put((rank, True, result.getvalue()))
+    except BaseException:
+        out.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()

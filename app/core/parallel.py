@@ -1,0 +1,206 @@
+"""How one model replica is laid out over tp × pp ranks: the mesh, the tensor-parallel plan, the pipeline stages,
+and the gradient sync and clipping that the layout needs.
+
+torchtitan's split: the model (app/core/model.py) knows nothing of ranks; this module cuts it up; the step drives
+the schedule. Every rank builds the whole model from one seed and keeps its part, so the initial weights of any
+layout are those of the unsplit model. Rank order is TP fastest, rank = (replica · pp + stage) · tp + shard: the
+ranks of a TP group are consecutive, and land on one node when ranks are placed in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from app.core.config import ParallelConfig
+from app.core.model import GPT, next_token_loss
+
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+
+
+@dataclass(frozen=True)
+class Coords:
+    """Where a rank sits: its replica (the data-parallel index), its pipeline stage, its tensor shard."""
+
+    replica: int
+    stage: int
+    shard: int
+
+
+def coords(rank: int, cfg: ParallelConfig) -> Coords:
+    return Coords(rank // cfg.ranks, rank // cfg.tp % cfg.pp, rank % cfg.tp)
+
+
+def make_mesh(world: int, cfg: ParallelConfig, device_type: str) -> DeviceMesh:
+    """The 3D mesh over the default process group: (dp, pp, tp), tp fastest."""
+    return init_device_mesh(device_type, (world // cfg.ranks, cfg.pp, cfg.tp), mesh_dim_names=("dp", "pp", "tp"))
+
+
+def stage_layers(n_layer: int, pp: int) -> list[range]:
+    """The blocks of each stage, as even as they go; the first and last stages also hold the embedding and the
+    head, so the spare blocks of an uneven split go to the middle stages first."""
+    base, spare = divmod(n_layer, pp)
+    order = sorted(range(pp), key=lambda s: (s in (0, pp - 1), s))  # middle stages first
+    counts = [base + (order.index(s) < spare) for s in range(pp)]
+    starts = [sum(counts[:s]) for s in range(pp)]
+    return [range(starts[s], starts[s] + counts[s]) for s in range(pp)]
+
+
+def keep_stage(model: GPT, stage: int, pp: int) -> GPT:
+    """Drop what `stage` does not compute (torchtitan's pipeline_module_split). Parameter names stay those of the
+    whole model, so checkpoints written by any layout name every tensor alike."""
+    keep = stage_layers(len(model.blocks), pp)[stage]
+    for name in list(model.blocks):
+        if int(name) not in keep:
+            del model.blocks[name]
+    if stage > 0:
+        model.embed = model.pos = None
+    if stage < pp - 1:
+        model.norm = model.head = None
+    return model
+
+
+def shard_tensors(model: GPT, tp_mesh: DeviceMesh) -> GPT:
+    """Megatron's plan on each block: q, k, v and the MLP's first layer split by output column (each rank computes
+    whole heads: n_head / tp of them), the attention's output projection and the MLP's second layer split by input
+    row, their partial sums all-reduced. Embedding, norms and head stay whole on every rank of the TP group."""
+    plan = {}
+    for name in model.blocks:
+        for part, style in (("attn.q", "col"), ("attn.k", "col"), ("attn.v", "col"), ("attn.proj", "row")):
+            plan[f"blocks.{name}.{part}"] = ColwiseParallel() if style == "col" else RowwiseParallel()
+        plan[f"blocks.{name}.mlp.0"] = ColwiseParallel()
+        plan[f"blocks.{name}.mlp.2"] = RowwiseParallel()
+    return parallelize_module(model, tp_mesh, plan)
+
+
+class _StageForward(nn.Module):
+    """The stage's forward as PipelineStage calls it: tokens or hidden states in, hidden states or logits out."""
+
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(x)
+
+
+def make_schedule(model: GPT, mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
+    stage = coords(dist.get_rank(), cfg).stage
+    pipe = PipelineStage(_StageForward(model), stage, cfg.pp, device, group=mesh["pp"].get_group())
+    return SCHEDULES[cfg.schedule](pipe, n_microbatches=cfg.microbatches, loss_fn=next_token_loss, scale_grads=True)
+
+
+class TiedGroups:
+    """With pp > 1 the tied embedding (first stage) and head (last stage) are two copies: their gradients are summed
+    between the two stages (Megatron's finalize_model_grads), so both copies take the same update."""
+
+    def __init__(self, mesh: DeviceMesh, cfg: ParallelConfig):
+        self.group = None
+        ranks = mesh.mesh  # (dp, pp, tp) -> global rank
+        me = dist.get_rank()
+        for replica in range(ranks.shape[0]):
+            for shard in range(ranks.shape[2]):
+                pair = [int(ranks[replica, 0, shard]), int(ranks[replica, -1, shard])]
+                group = dist.new_group(pair)  # every rank creates every group, in one order
+                if me in pair:
+                    self.group = group
+
+    def sync(self, model: GPT) -> None:
+        tied = model.embed if model.embed is not None else model.head
+        dist.all_reduce(tied.weight.grad, group=self.group)
+
+
+def tied_across_stages(model_cfg, cfg: ParallelConfig) -> bool:
+    return model_cfg.tie_weights and cfg.pp > 1
+
+
+def shard_of(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: its shard of a DTensor, or `t` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def sync_replicas(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Average gradients over the replicas (the dp dimension only), in one flat buffer."""
+    if mesh["dp"].size() == 1:
+        return
+    grads = [shard_of(p.grad) for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=mesh["dp"].get_group())
+    flat /= mesh["dp"].size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def clip_grads(model: GPT, max_norm: float, mesh: DeviceMesh, tied: bool) -> float:
+    """The global gradient norm of the whole model, and clipping to `max_norm` as torch's clip_grad_norm_ does.
+
+    Each tensor counts once: a TP shard's squares are summed over the TP group, a whole tensor's are not (every
+    rank of the group holds the same); stages add up; the head of a tied pair is the embedding's second copy."""
+    sharded, whole = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for name, p in model.named_parameters():
+        if p.grad is None or (tied and name == "head.weight"):
+            continue
+        sq = shard_of(p.grad).double().pow(2).sum()
+        if isinstance(p.grad, DTensor):
+            sharded += sq
+        else:
+            whole += sq
+    if mesh["tp"].size() > 1:
+        dist.all_reduce(sharded, group=mesh["tp"].get_group())
+    total = sharded + whole
+    if mesh["pp"].size() > 1:
+        dist.all_reduce(total, group=mesh["pp"].get_group())
+    norm = total.sqrt().item()
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    if coef < 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                shard_of(p.grad).mul_(coef)
+    return norm
+
+
+class Replica:
+    """One rank's part of a model replica laid out as `cfg` says, and the collectives its step needs."""
+
+    def __init__(self, model: GPT, mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
+        self.cfg, self.mesh = cfg, mesh
+        self.at = coords(dist.get_rank(), cfg)
+        self.tied = tied_across_stages(model.cfg, cfg)
+        if self.tied:  # the last stage keeps its own copy of the tied weight
+            model.head.weight = nn.Parameter(model.embed.weight.detach().clone())
+        keep_stage(model, self.at.stage, cfg.pp)
+        self.model = shard_tensors(model, mesh["tp"]) if cfg.tp > 1 else model
+        self.schedule = make_schedule(self.model, mesh, cfg, device) if cfg.pp > 1 else None
+        self.tied_groups = TiedGroups(mesh, cfg) if self.tied else None
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """The replica's batch: the mean loss over it, known on every rank (the last stage computes it)."""
+        if self.schedule is None:
+            _, loss = self.model(x, y)
+            loss.backward()
+            mean = loss.detach()
+        else:
+            losses = []
+            first, last = self.at.stage == 0, self.at.stage == self.cfg.pp - 1
+            self.schedule.step(*([x] if first else []), target=y if last else None, losses=losses if last else None)
+            mean = torch.stack(losses).mean().detach() if last else torch.zeros(())
+            dist.all_reduce(mean, group=self.mesh["pp"].get_group())  # only the last stage's is non-zero
+        if self.mesh["dp"].size() > 1:
+            dist.all_reduce(mean, group=self.mesh["dp"].get_group())
+            mean /= self.mesh["dp"].size()
+        return mean.item()
+
+    def sync_and_clip(self, max_norm: float) -> float:
+        if self.tied_groups:
+            self.tied_groups.sync(self.model)
+        sync_replicas(self.model, self.mesh)
+        return clip_grads(self.model, max_norm, self.mesh, self.tied)

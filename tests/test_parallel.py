@@ -1,0 +1,119 @@
+"""Tensor and pipeline parallelism (app/core/parallel.py) against one process: gloo ranks in processes on this
+machine, the same model, seed and global batch; losses step by step, and the first step's gradients tensor by
+tensor (TP's backward collectives, the pipeline's, the tied weights' and the replicas' all-reduce)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from app.cli import main
+from app.core.config import ModelConfig, OptimConfig, ParallelConfig, load_config
+from app.core.local_ranks import local_group
+from app.core.model import GPT
+from app.core.optim import make_optimizer
+from app.core.parallel import Replica, coords, make_mesh, stage_layers
+
+MODEL = ModelConfig(n_layer=4, n_head=4, d_model=32, seq_len=16, vocab_size=64)
+OPTIM = OptimConfig(lr=3e-3, warmup_steps=0, grad_clip=0.5)
+STEPS, BATCH = 20, 8
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, MODEL.vocab_size, (BATCH, MODEL.seq_len + 1), generator=g) for _ in range(STEPS)]
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+@pytest.fixture(scope="module")
+def single() -> tuple[list[float], dict]:
+    """The whole model in this process: its per-step losses and its first step's clipped gradients."""
+    torch.manual_seed(0)
+    model = GPT(MODEL)
+    optimizer = make_optimizer(model, OPTIM)
+    losses, first = [], {}
+    for rows in batches():
+        optimizer.zero_grad()
+        _, loss = model(rows[:, :-1], rows[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
+        first = first or {n: whole(p.grad) for n, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, first
+
+
+def train_rank(rank: int, world: int, layout: dict) -> tuple[list[float], dict]:
+    cfg = ParallelConfig(**layout)
+    torch.manual_seed(0)
+    replica = Replica(GPT(MODEL), make_mesh(world, cfg, "cpu"), cfg, torch.device("cpu"))
+    optimizer = make_optimizer(replica.model, OPTIM)
+    mine, replicas = coords(rank, cfg).replica, world // cfg.ranks
+    losses, first = [], {}
+    for rows in batches():
+        rows = rows.chunk(replicas)[mine]
+        optimizer.zero_grad()
+        losses.append(replica.forward_backward(rows[:, :-1], rows[:, 1:]))
+        replica.sync_and_clip(OPTIM.grad_clip)
+        first = first or {n: whole(p.grad) for n, p in replica.model.named_parameters()}
+        optimizer.step()
+    return losses, first
+
+
+@pytest.mark.parametrize(
+    "replicas, layout",
+    [
+        (1, dict(tp=2)),
+        (1, dict(pp=2, microbatches=4)),
+        (1, dict(pp=2, microbatches=4, schedule="gpipe")),
+        (1, dict(tp=2, pp=2, microbatches=2)),
+        (2, dict(tp=2)),
+    ],
+    ids=["tp2", "pp2-1f1b", "pp2-gpipe", "tp2xpp2", "2-replicas-of-tp2"],
+)
+def test_a_layout_follows_the_single_process_losses_and_gradients(single, replicas, layout):
+    expected_losses, expected_grads = single
+    results = local_group(replicas * ParallelConfig(**layout).ranks, train_rank, layout)
+    held = set()
+    for rank, (losses, grads) in results.items():
+        assert losses == pytest.approx(expected_losses, rel=1e-4), f"rank {rank}"
+        for name, grad in grads.items():
+            twin = "embed.weight" if name == "head.weight" else name  # the last stage's copy of the tied weight
+            torch.testing.assert_close(grad, expected_grads[twin], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {name}")
+            held.add(twin)
+    assert held == set(expected_grads)  # every tensor of the model is held by some rank
+
+
+def test_stages_split_the_blocks_evenly_middle_stages_first():
+    assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_layers(4, 3) == [range(0, 1), range(1, 3), range(3, 4)]  # the ends also hold embedding and head
+    assert stage_layers(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.tp=3"], "parallel.tp=3 must divide model.n_head=4"),
+        (["parallel.pp=3", "model.n_layer=2"], "parallel.pp=3 exceeds model.n_layer=2"),
+        (["parallel.pp=2", "parallel.microbatches=1"], "parallel.microbatches=1 is below parallel.pp=2"),
+        (["parallel.tp=2", "cluster.num_workers=3"], "cluster.num_workers=3 is not a whole number of replicas"),
+        (["parallel.pp=2", "train.global_batch=30"], "train.global_batch=30 must split into 1 replica"),
+        (["parallel.tp=2", "comm.mode=ps"], "comm.mode=ps with parallel.tp × parallel.pp > 1 is not supported yet"),
+        (["parallel.tp=2", "comm.compression=topk"], "comm.compression=topk with parallel"),
+    ],
+)
+def test_a_layout_the_model_or_batch_cannot_take_is_refused_by_name(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config("tiny", overrides)
+
+
+def test_etrain_train_refuses_a_layout_until_replicas_are_formed(capsys, tmp_path):
+    assert main(["train", "--config", "tiny", "--set", "parallel.tp=2", "--set", f"run.root={tmp_path}"]) == 2
+    assert "the elastic trainer does not form tensor/pipeline-parallel replicas yet" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before a run directory was made
