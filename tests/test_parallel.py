@@ -8,10 +8,10 @@ import re
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 from app.cli import main
 from app.core.config import ModelConfig, OptimConfig, ParallelConfig, load_config
+from app.core.layout_state import full_state, load_full, whole
 from app.core.local_ranks import local_group
 from app.core.model import GPT
 from app.core.optim import make_optimizer
@@ -25,10 +25,6 @@ STEPS, BATCH = 20, 8
 def batches() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     return [torch.randint(0, MODEL.vocab_size, (BATCH, MODEL.seq_len + 1), generator=g) for _ in range(STEPS)]
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +45,27 @@ def single() -> tuple[list[float], dict]:
     return losses, first
 
 
-def train_rank(rank: int, world: int, layout: dict) -> tuple[list[float], dict]:
+def train_rank(
+    rank: int, world: int, layout: dict, steps: range = range(STEPS), state: dict | None = None, save: bool = False
+) -> tuple[list[float], dict, dict | None]:
+    """Per-step losses, the first step's clipped gradients (whole tensors) and, with `save`, the whole state after
+    the last step (on the replica's first rank)."""
     cfg = ParallelConfig(**layout)
     torch.manual_seed(0)
     replica = Replica(GPT(MODEL), make_mesh(world, cfg, "cpu"), cfg, torch.device("cpu"))
     optimizer = make_optimizer(replica.model, OPTIM)
+    if state is not None:
+        load_full(replica, optimizer, state)
     mine, replicas = coords(rank, cfg).replica, world // cfg.ranks
-    losses, first = [], {}
-    for rows in batches():
-        rows = rows.chunk(replicas)[mine]
+    losses, first, every = [], {}, batches()
+    for i in steps:
+        rows = every[i].chunk(replicas)[mine]
         optimizer.zero_grad()
         losses.append(replica.forward_backward(rows[:, :-1], rows[:, 1:]))
         replica.sync_and_clip(OPTIM.grad_clip)
         first = first or {n: whole(p.grad) for n, p in replica.model.named_parameters()}
         optimizer.step()
-    return losses, first
+    return losses, first, full_state(replica, optimizer) if save else None
 
 
 @pytest.mark.parametrize(
@@ -81,13 +83,29 @@ def test_a_layout_follows_the_single_process_losses_and_gradients(single, replic
     expected_losses, expected_grads = single
     results = local_group(replicas * ParallelConfig(**layout).ranks, train_rank, layout)
     held = set()
-    for rank, (losses, grads) in results.items():
+    for rank, (losses, grads, _) in results.items():
         assert losses == pytest.approx(expected_losses, rel=1e-4), f"rank {rank}"
         for name, grad in grads.items():
             twin = "embed.weight" if name == "head.weight" else name  # the last stage's copy of the tied weight
             torch.testing.assert_close(grad, expected_grads[twin], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {name}")
             held.add(twin)
     assert held == set(expected_grads)  # every tensor of the model is held by some rank
+
+
+TP2_PP2 = dict(tp=2, pp=2, microbatches=2)
+
+
+@pytest.mark.parametrize("saved_by, resumed_by", [(TP2_PP2, {}), ({}, TP2_PP2)], ids=["tp2xpp2-to-1", "1-to-tp2xpp2"])
+def test_a_state_saved_by_one_layout_resumes_in_another_on_the_same_trajectory(single, saved_by, resumed_by):
+    """Weights and AdamW moments by whole-model name: halfway through, the state moves to the other layout, and
+    the second half's losses are the single process's."""
+    half = STEPS // 2
+    saved = local_group(ParallelConfig(**saved_by).ranks, train_rank, saved_by, range(half), None, True)
+    state = saved[0][2]
+    assert set(state["model"]) == set(GPT(MODEL).state_dict())
+    resumed = local_group(ParallelConfig(**resumed_by).ranks, train_rank, resumed_by, range(half, STEPS), state)
+    for rank, (losses, _, _) in resumed.items():
+        assert losses == pytest.approx(single[0][half:], rel=1e-4), f"rank {rank}"
 
 
 def test_stages_split_the_blocks_evenly_middle_stages_first():

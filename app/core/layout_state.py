@@ -1,0 +1,71 @@
+"""A laid-out replica's state as the whole model's, and back, so that a state saved by one layout resumes in any
+other (app/core/parallel.py): weights and AdamW moments by whole-model parameter name, whole tensors.
+
+Gathered rather than sharded on disk (torch DCP would keep shards): a replica's first rank holds the whole model
+for a moment, which is what the existing checkpoint format, its hashes and its light level expect; a model too
+large for one host's memory would need DCP instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from app.core.parallel import Replica, shard_of
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a shard's full tensor (a collective over its TP group: every rank of it must ask)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def full_state(replica: Replica, optimizer: torch.optim.Optimizer) -> dict | None:
+    """{"model": name -> tensor, "optim": name -> AdamW state} of the whole model, on each replica's first rank
+    (stage 0, shard 0); None on the others."""
+    model = {name: whole(t) for name, t in replica.model.state_dict().items()}
+    optim = {}
+    for name, p in replica.model.named_parameters():
+        if p in optimizer.state and not (replica.tied and name == "head.weight"):  # the tied copy: the embedding's
+            optim[name] = {k: whole(v) if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
+    mine = {"model": model, "optim": optim}
+    if replica.cfg.pp > 1:
+        group = replica.mesh["pp"].get_group()
+        first = dist.get_global_rank(group, 0)
+        parts = [None] * replica.cfg.pp if dist.get_rank() == first else None
+        dist.gather_object(mine, parts, dst=first, group=group)
+        if parts is None:
+            return None
+        mine = {key: {k: v for part in parts for k, v in part[key].items()} for key in ("model", "optim")}
+    return mine if replica.at.shard == 0 else None
+
+
+def load_full(replica: Replica, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Each rank takes its part of a whole-model state (full_state's, from any layout)."""
+    with torch.no_grad():
+        for name, t in replica.model.state_dict().items():
+            shard_of(t).copy_(_part(state["model"][name], t))
+    for name, p in replica.model.named_parameters():
+        saved = state["optim"].get("embed.weight" if replica.tied and name == "head.weight" else name)
+        if saved is not None:
+            optimizer.state[p] = {k: _held_as(p, v) if torch.is_tensor(v) else v for k, v in saved.items()}
+
+
+def _part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `full`, shaped as `like` is held here (a TP shard is an even chunk along its dim)."""
+    if not isinstance(like, DTensor):
+        return full
+    (placement,) = like.placements
+    if not placement.is_shard():
+        return full
+    mesh = like.device_mesh
+    return full.chunk(mesh.size(), dim=placement.dim)[mesh.get_local_rank()]
+
+
+def _held_as(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor as the optimizer holds it beside `p`: a step count as it is, a moment as this
+    rank's part, a DTensor beside a DTensor."""
+    if not full.dim():
+        return full.clone()
+    local = _part(full, p).clone().to(shard_of(p).device)
+    return DTensor.from_local(local, p.device_mesh, p.placements) if isinstance(p, DTensor) else local
