@@ -99,3 +99,10 @@ def wait_until(what: str, predicate, timeout: float = 120, every: float = 0.05):
             return value
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def etrain_lines(err: str) -> str:
+    """What etrain itself wrote to stderr in this process. The test session's Ray forwards its actors' output
+    with a "(Name pid=...)" prefix (another test's cache stopping late, say); etrain connects with log_to_driver
+    off, so a user never sees those lines."""
+    return "\n".join(line for line in err.splitlines() if not line.startswith("\x1b[36m("))

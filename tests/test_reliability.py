@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 import ray
-from runs import FAST, ROOT, records, run, start_driver, wait_for_step, wait_until
+from runs import FAST, ROOT, etrain_lines, records, run, start_driver, wait_for_step, wait_until
 
 from actors.control import JobError
 from actors.coordinator import Coordinator
@@ -216,10 +216,8 @@ def test_a_bad_data_source_is_one_line_exit_2(make_cfg, tmp_path, capsys, case):
     config = tmp_path / "c.yaml"
     config.write_text(make_cfg(f"data.source={source}").to_yaml())
     assert main(["train", "--config", str(config), "--set", f"run.name={case}"]) == 2
-    # Ray forwards the session's actor output (another test's cache stopping) with a "(Name pid=...)" prefix:
-    # etrain's own lines are the rest (etrain connects with log_to_driver off)
-    ours = "\n".join(line for line in capsys.readouterr().err.splitlines() if not line.startswith("\x1b[36m("))
-    assert expected in ours and "Traceback" not in ours
+    err = etrain_lines(capsys.readouterr().err)
+    assert expected in err and "Traceback" not in err
 
 
 def test_prepare_names_a_bad_storage_option_and_an_unreachable_endpoint(
@@ -237,7 +235,7 @@ def test_prepare_names_a_bad_storage_option_and_an_unreachable_endpoint(
     assert "--storage-option for" in capsys.readouterr().err
     with s3_faults.outage():
         assert main(["prepare", str(src), "--out", f"{s3_bucket}/q", "--no-progress"]) == 1
-    err = capsys.readouterr().err
+    err = etrain_lines(capsys.readouterr().err)
     assert f"cannot reach the output {s3_bucket}/q" in err and "Traceback" not in err
     s3fs.S3FileSystem.clear_instance_cache()
 
