@@ -16,7 +16,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,15 +28,10 @@ from pathlib import Path
 import yaml
 
 from app.core.errors import Failure, UsageError
+from app.core.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE = Path.home() / ".cache" / "etrain" / "cluster.json"  # the head `etrain cluster up` started
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -33,12 +33,13 @@ import contextlib
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rounds import summary
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -390,19 +391,6 @@ def main() -> None:
         )
     )
     print(f"written: {out}")
-
-
-def summary(runs: list[dict]) -> dict:
-    """Each numeric figure of a variant's rounds: median, min and max."""
-    keys = [k for k, v in runs[0].items() if isinstance(v, int | float)]
-    return {
-        k: {
-            "median": statistics.median(r[k] for r in runs),
-            "min": min(r[k] for r in runs),
-            "max": max(r[k] for r in runs),
-        }
-        for k in keys
-    }
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from rounds import summary
 
 from app.core.config import ModelConfig, OptimConfig, ParallelConfig
 from app.core.local_ranks import SavedBytes, local_group, tensor_bytes
@@ -156,17 +157,6 @@ def main() -> None:
         )
         + "\n"
     )
-
-
-def summary(runs: list[dict]) -> dict:
-    return {
-        k: {
-            "median": statistics.median(r[k] for r in runs),
-            "min": min(r[k] for r in runs),
-            "max": max(r[k] for r in runs),
-        }
-        for k in runs[0]
-    }
 
 
 if __name__ == "__main__":

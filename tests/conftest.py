@@ -13,7 +13,7 @@ import ray
 from faults import S3Faults
 
 from app.core.config import Config, load_config
-from app.local_cluster import free_port
+from app.core.ports import free_port
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ they saw; the tests below judge it. An exception in a rank fails the spawn, and 
 from __future__ import annotations
 
 import math
-import socket
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -19,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from actors.compress import SEGMENT, GradSync, topk_compress, topk_decompress, topk_kept
+from app.core.ports import free_port
 
 WORLD = 2
 BUCKET_MB = 0.1  # two buckets once DDP rebuilds them after step 0; the 256x256 one spans three top-k segments
@@ -130,10 +130,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("gradsync")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(port, str(out)), nprocs=WORLD)
+    mp.spawn(rank_main, args=(free_port(), str(out)), nprocs=WORLD)
     return [torch.load(out / f"{rank}.pt") for rank in range(WORLD)]
 
 

@@ -22,8 +22,8 @@ from actors.coordinator import Coordinator
 from actors.worker import spawn
 from app.cli import main
 from app.core import checkpoint, lease
+from app.core.ports import free_port
 from app.job import new_run_dir, train
-from app.local_cluster import free_port
 from pipelines.embedded import ensure_corpus
 
 ray_test = pytest.mark.usefixtures("ray_session")

@@ -8,7 +8,6 @@ the tests below judge it. An exception in a rank fails the spawn, and so the tes
 from __future__ import annotations
 
 import copy
-import socket
 from datetime import timedelta
 
 import pytest
@@ -22,6 +21,7 @@ from actors.zero_state import local_part, merge, param_groups
 from app.core.config import load_config
 from app.core.model import GPT
 from app.core.optim import make_optimizer, make_param_groups, make_scheduler
+from app.core.ports import free_port
 
 WORLD = 2
 STEPS = 3  # before the state is saved; then one more
@@ -94,10 +94,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("zero_state")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(port, str(out)), nprocs=WORLD)
+    mp.spawn(rank_main, args=(free_port(), str(out)), nprocs=WORLD)
     return [torch.load(out / f"{rank}.pt") for rank in range(WORLD)]
 
 

@@ -4,7 +4,6 @@ tests and benchmark run on these (app/core/parallel.py)."""
 from __future__ import annotations
 
 import io
-import socket
 import traceback
 import weakref
 
@@ -13,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from app.core.parallel import shard_of
+from app.core.ports import free_port
 
 
 def tensor_bytes(tensors) -> int:
@@ -72,9 +72,7 @@ def local_group(world: int, fn, *args) -> dict[int, object]:
     benchmark. A rank that fails fails the call, with its traceback."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_local_rank, args=(r, world, port, fn, args, out), daemon=True) for r in range(world)]
     for p in procs:
         p.start()

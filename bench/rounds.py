@@ -1,0 +1,18 @@
+"""Interleaved rounds of a benchmark as the figures committed to bench/results/: each one's median and spread."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def summary(runs: list[dict]) -> dict:
+    """Each numeric figure of a variant's rounds: median, min and max."""
+    keys = [k for k, v in runs[0].items() if isinstance(v, int | float)]
+    return {
+        k: {
+            "median": statistics.median(r[k] for r in runs),
+            "min": min(r[k] for r in runs),
+            "max": max(r[k] for r in runs),
+        }
+        for k in keys
+    }
