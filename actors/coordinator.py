@@ -313,11 +313,27 @@ class Coordinator:
             "members": team.members(),
         }
 
-    def request_scale(self, workers: int) -> None:
-        """Ask for `workers` members; they join at step boundaries as ready workers allow.
-        A manual request pins the size: the autoscaling policy stops for this run."""
-        if workers < 1:
+    def request_scale(self, workers: int | None = None, replicas: int | None = None) -> None:
+        """Ask for `workers` members, or `replicas` replicas of tp × pp members; they join at step boundaries as
+        ready workers allow. A manual request pins the size: the autoscaling policy stops for this run."""
+        par = self.cfg.parallel
+        if replicas is not None:
+            if replicas < 1:
+                raise ValueError(f"replicas must be at least 1, got {replicas}")
+            workers = replicas * par.ranks
+        if workers is None or workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
+        if workers % par.ranks:
+            raise ValueError(
+                f"workers={workers} is not a whole number of replicas of parallel.tp × parallel.pp = {par.ranks} "
+                f"ranks: ask for --replicas {max(1, workers // par.ranks)}, or --workers in multiples of {par.ranks}"
+            )
+        per = par.microbatches if par.pp > 1 else 1
+        if par.ranks > 1 and self.cfg.train.global_batch < workers // par.ranks * per:
+            raise ValueError(
+                f"{workers // par.ranks} replicas need {workers // par.ranks} × {per} micro-batch(es) of samples, "
+                f"more than train.global_batch={self.cfg.train.global_batch}"
+            )
         if self.cfg.comm.mode == "ps":
             raise ValueError("a parameter-server run (comm.mode=ps) keeps its workers: it cannot be resized")
         if self.cfg.train.batch_scaling == "constant" and workers > self.cfg.train.global_batch:

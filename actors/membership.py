@@ -4,6 +4,11 @@ the nodes being drained, and the world size wanted. Every change happens here, a
 A change keeps the live actors: leavers go back to the pool, joiners come warm from it and get
 the state of a live peer (peer to peer, through the object store), and the group is re-formed
 under a new store prefix. No restart, no checkpoint load, except where ZeRO-1 lost a shard.
+
+With a layout (parallel.tp × parallel.pp ranks per replica) the unit is the replica: members are kept
+in whole replicas, in rank order (rank = replica · ranks + stage · tp + shard), a replica missing a rank
+leaves whole (its live ranks back to the pool), and joiners come tp × pp at a time, each rank taking the
+state of its twin: the rank at the same place in a live replica.
 Each change is a `membership` record with its phases (CHANGE_PHASES), closed by the first step
 after it.
 """
@@ -48,19 +53,34 @@ class ResizePlan:
     reason: str
 
 
-def plan_resize(workers: list, nodes: dict, draining: set, target: int) -> ResizePlan:
-    """Members on draining nodes leave (a preemption); then the group shrinks to, or grows towards, `target`."""
+def plan_resize(workers: list, nodes: dict, draining: set, target: int, ranks: int = 1) -> ResizePlan:
+    """Members on draining nodes leave (a preemption), and with them the rest of their replicas (`ranks` members
+    each); then the group shrinks to, or grows towards, `target` (a whole number of replicas), whole replicas
+    leaving from the end."""
     evicted = [w for w in workers if nodes.get(w) in draining]
-    staying = [w for w in workers if w not in evicted]
-    keep, leaving = staying[:target], staying[target:]
+    intact, broken = whole_replicas(workers, evicted, ranks)
+    keep, leaving = intact[:target], [w for w in broken if w not in evicted] + intact[target:]
     reason = "preemption" if evicted else "scale-in" if target < len(workers) else "scale-out"
     return ResizePlan(keep, leaving, evicted, target - len(keep), reason)
+
+
+def whole_replicas(workers: list, lost: list, ranks: int) -> tuple[list, list]:
+    """The members of replicas that lost none of their `ranks` members, in order; and the members of the others."""
+    replicas = [workers[i : i + ranks] for i in range(0, len(workers), ranks)]
+    intact = [r for r in replicas if not any(w in lost for w in r)]
+    return [w for r in intact for w in r], [w for r in replicas if r not in intact for w in r]
+
+
+def twin(rank: int, applied: list[int], step: int, ranks: int) -> int | None:
+    """A rank at the same place as `rank` in another replica that holds `step`: where `rank` takes its state."""
+    return next((j for j in range(rank % ranks, len(applied), ranks) if applied[j] == step), None)
 
 
 class Team:
     def __init__(self, cfg: Config, manifest: str, workers: list, data, balancer, log_, resume_hint: str):
         self.cfg, self.data, self.balancer, self.log, self.resume_hint = cfg, data, balancer, log_, resume_hint
         self.workers = workers
+        self.ranks = cfg.parallel.ranks  # members per replica, the unit of membership
         self.wanted = len(workers)  # asked for by `etrain scale` or the autoscaling policy
         self.autoscaling = cfg.cluster.max_workers is not None
         self.pool = WarmPool(cfg, manifest, self.retire)
@@ -109,8 +129,8 @@ class Team:
 
     def _autoscale(self, step: int) -> None:
         c, before, world = self.cfg.cluster, self.wanted, len(self.workers)
-        self.wanted = autoscale(
-            world, self._free_slots(), self.pool.ready(), len(self.pool.idle), c.max_workers, c.warm_pool
+        self.wanted = self._whole(
+            autoscale(world, self._free_slots(), self.pool.ready(), len(self.pool.idle), c.max_workers, c.warm_pool)
         )
         if self.wanted != before:
             self.log.record(Autoscale(step, world, self.wanted))
@@ -159,7 +179,11 @@ class Team:
     def target(self) -> int:
         """The world size the next step boundary can reach: shrinking at once, growing by ready pool workers only."""
         world = len(self.workers)
-        return self.wanted if self.wanted <= world else world + min(self.wanted - world, self.pool.ready())
+        return self.wanted if self.wanted <= world else world + self._whole(min(self.wanted - world, self.pool.ready()))
+
+    def _whole(self, workers: int) -> int:
+        """Down to a whole number of replicas."""
+        return workers - workers % self.ranks
 
     def evicting(self) -> int:
         """Members on nodes being drained: they leave at the next step boundary."""
@@ -175,19 +199,26 @@ class Team:
         """Members on draining nodes leave (preemption); then shrink to, or grow towards, the target.
         `whole`: a ZeRO-1 state gathered before anyone leaves, which every member then loads."""
         started = time.perf_counter()
-        plan = plan_resize(self.workers, self.nodes, self.draining, self.target())
+        plan = plan_resize(self.workers, self.nodes, self.draining, self.target(), self.ranks)
         self.retire(plan.evicted)  # its node is going away: no clean exit needed, and it may be gone already
-        leaving = plan.leaving
+        self._give_back(plan.leaving, plan.joining)
+        return self.change(plan.keep, plan.joining, plan.reason, at, started, lost=len(plan.evicted), whole=whole)
+
+    def _give_back(self, leaving: list, joining: int) -> None:
+        """Leavers out of the group and into the pool, which keeps its size plus the `joining` the change takes."""
         try:
             self.gather([w.leave.remote() for w in leaving], leaving, "group exit", self.cfg.timeouts.join_s)
         except WorkersLost as gone:  # a leaver that died is simply not given back
             leaving = [w for w in leaving if w not in gone.lost]
-        self.pool.give_back(leaving, keep=max(self.pool_size(), self.cfg.cluster.warm_pool + plan.joining))
-        return self.change(plan.keep, plan.joining, plan.reason, at, started, lost=len(plan.evicted), whole=whole)
+        self.pool.give_back(leaving, keep=max(self.pool_size(), self.cfg.cluster.warm_pool + joining))
 
     def recover(self, loss: Loss, at: Position, whole=None) -> Loss | None:
-        """Survivors plus ready pool workers redo the step; fewer if the pool is short (more join when ready)."""
-        survivors = [w for w in self.workers if w not in loss.lost]
+        """Survivors plus ready pool workers redo the step; fewer if the pool is short (more join when ready).
+        With a layout the survivors are the replicas that lost no rank; the live ranks of the others go back to the
+        pool."""
+        survivors, broken = whole_replicas(self.workers, loss.lost, self.ranks)
+        if mates := [w for w in broken if w not in loss.lost]:
+            self._give_back(mates, self.wanted - len(survivors))
         self.recoveries += 1
         return self.change(
             survivors, self.wanted - len(survivors), "recover", at, loss.since, lost=len(loss.lost), whole=whole
@@ -199,7 +230,7 @@ class Team:
         """Re-form the group as `members` plus up to `joining` ready pool workers; each phase timed."""
         phases = {"detect": time.perf_counter() - started}
         t = time.perf_counter()
-        joiners = self.pool.take(joining) if joining > 0 else []
+        joiners = self._placed(self.pool.take(self._whole(min(joining, self.pool.ready())))) if joining > 0 else []
         phases["acquire"] = time.perf_counter() - t
         self._close(stepped=False)
         event = Membership(at.step, reason, len(self.workers), len(members) + len(joiners), lost, len(joiners),
@@ -210,11 +241,16 @@ class Team:
         try:
             self.form(members + joiners, at, reason, phases, whole)
         except WorkersLost as gone:  # the next decision is a recovery, with the members still alive
-            self.workers = [w for w in members + joiners if w not in gone.lost]
+            self.workers = members + joiners  # the lost in place: the recovery tells whole replicas by position
             log.warning("%d worker(s) lost during a %s at step %d; recovering", len(gone.lost), reason, at.step)
             return Loss(gone.lost, time.perf_counter())
         self._pending = (event, started)  # the pool refills after its first step
         return None
+
+    def _placed(self, joiners: list) -> list:
+        """Joiners in rank order, by node: the consecutive ranks of a tensor-parallel group share a node where the
+        pool has tp workers on one (the gradient traffic of TP is per layer; of PP and DP, per step)."""
+        return sorted(joiners, key=lambda w: str(self.nodes.get(w))) if self.cfg.parallel.tp > 1 else joiners
 
     def form(self, members: list, at: Position, reason: str, phases: dict | None = None, whole=None) -> None:
         """Make `members` the group at step `at.step`: caches, state from a live peer (or `whole`, a state every member
@@ -229,7 +265,7 @@ class Team:
             self.data.attach([w for w, _ in fresh], [n for _, n in fresh], at.cursor), members, "cache attach", join_s
         )
         behind = [w for w, i in zip(members, infos) if i["applied"] != step]
-        if behind and reason != "start" and whole is None:
+        if behind and reason != "start" and whole is None and self.ranks == 1:
             source = next((w for w, i in zip(members, infos) if i["applied"] == step), None)
             if source is None:
                 raise JobError(f"no live worker holds step {step}; {self.resume_hint}")
@@ -246,9 +282,23 @@ class Team:
         self.generation += 1
         host, port = self.gather([members[0].host_store.remote()], members, "store start", join_s)[0]
         joins = [w.join.remote(rank, len(members), host, port, self.generation) for rank, w in enumerate(members)]
-        self.gather(joins, members, "process group formation", join_s)
+        applied = self.gather(joins, members, "process group formation", join_s)
         phases["reform"] = time.perf_counter() - t
+        if self.ranks > 1 and reason != "start":
+            t = time.perf_counter()
+            self._from_twins(members, applied, step)
+            phases["migrate"] += time.perf_counter() - t
         self.workers = members
+
+    def _from_twins(self, members: list, applied: list[int], step: int) -> None:
+        """Each laid-out rank without its place's state at `step` takes its twin's, peer to peer."""
+        loads = []
+        for rank in (r for r, a in enumerate(applied) if a != step):
+            source = twin(rank, applied, step, self.ranks)
+            if source is None:
+                raise JobError(f"no live replica holds step {step} for rank {rank}'s place; {self.resume_hint}")
+            loads.append(members[rank].load_state.remote(members[source].state.remote(), step))
+        self.gather(loads, members, "state migration", self.cfg.timeouts.join_s)
 
     def consolidate(self):
         """ZeRO-1: the whole state, gathered from the group's optimizer shards (a ref, rank 0's). WorkersLost
@@ -303,8 +353,10 @@ class Team:
 
     def members(self) -> list[dict]:
         """Each rank's node, pid and measured speed (once it has started)."""
+        par = self.cfg.parallel
         return [
             {"rank": r, "node": self.nodes[w], "pid": self.pids[w], "speed": self.balancer.speeds.get(w)}
+            | ({"replica": r // par.ranks, "stage": r // par.tp % par.pp, "shard": r % par.tp} if par.ranks > 1 else {})
             for r, w in enumerate(self.workers)
             if w in self.pids
         ]

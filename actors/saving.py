@@ -66,14 +66,16 @@ class Saver:
 
     def begin(self, step: int, workers: list, sharded: bool, meta: dict) -> None:
         """Have the writers stage and write their parts of the state at `step`: every rank its optimizer
-        shard under ZeRO-1 (full saves), else rank 0 alone. The step loop waits only for the staging (and
-        for the previous save, if still in flight); synchronous saves and the last step's are waited for.
+        shard under ZeRO-1 (full saves), else rank 0 alone (with a layout, what the first replica gathers on it).
+        The step loop waits only for the staging (and for the previous save, if still in flight); synchronous
+        saves and the last step's are waited for.
         WorkersLost if a writer is lost before it staged: the step is saved again once the group has recovered."""
         started = time.perf_counter()
         try:
             self.finish()
             level = self.level(step) or "full"
-            writers = workers if sharded and level == "full" else workers[:1]
+            # a layout's whole state is gathered from its first replica's ranks onto rank 0
+            writers = workers if sharded and level == "full" else workers[: self.cfg.parallel.ranks]
             try:
                 path = checkpoint.prepare(self.uri, step)
             except STORAGE_ERRORS as e:  # storage refuses: training goes on, the last good checkpoint stays the last

@@ -73,7 +73,7 @@ class Stepper:
         workers, n = self.team.workers, at.step + 1
         batch = self.cfg.batch_at(len(workers))
         was_balanced = self.balancer.balanced
-        shares = order.plan_step(self.data.layout, at.cursor, batch, self.balancer.weights(workers))
+        shares = self.shares(at.cursor, batch, workers)
         limit, faults = self.guards.limit(), self.faults.due(n)
         refs = [
             w.train_step.remote(at.step, ids, batch, at.cursor, faults.get(rank), self.guards.lr_scale, limit)
@@ -90,8 +90,8 @@ class Stepper:
             return Outcome(diverged=True)
         lead = reports[0]
         if lead.skipped:
-            self.data.quarantine(n, np.concatenate(shares), lead.grad_norm, limit)
-            self.log.record(Outlier(n, lead.grad_norm, limit, sum(len(s) for s in shares), self.guards.reject()))
+            self.data.quarantine(n, np.concatenate(shares[:: self.team.ranks]), lead.grad_norm, limit)
+            self.log.record(Outlier(n, lead.grad_norm, limit, batch, self.guards.reject()))
         else:
             self.guards.accept(lead.grad_norm)
         for worker, report in zip(workers, reports):
@@ -101,6 +101,17 @@ class Stepper:
             self.log.record(Balance(n, self.balancer.balanced, [len(s) for s in shares]))
         self.commit(at, batch, reports, time.perf_counter() - started)
         return Outcome()
+
+    def shares(self, cursor: int, batch: int, workers: list) -> list[np.ndarray]:
+        """Each member's sample ids: split by measured speed; with a layout, split over the replicas (each share a
+        whole number of pipeline micro-batches), every rank of a replica reading its replica's."""
+        if self.team.ranks == 1:
+            return order.plan_step(self.data.layout, cursor, batch, self.balancer.weights(workers))
+        par = self.cfg.parallel
+        per = par.microbatches if par.pp > 1 else 1
+        counts = [c * per for c in order.split_counts(batch // per, [1.0] * (len(workers) // par.ranks))]
+        replicas = np.split(order.take(self.data.layout, cursor, batch), np.cumsum(counts)[:-1])
+        return [replicas[rank // par.ranks] for rank in range(len(workers))]
 
     def commit(self, at: Position, batch: int, reports: list[StepReport] | None, elapsed: float) -> None:
         """The step is done: the cursor moves on, and its record is written. Without reports when the
@@ -149,7 +160,9 @@ def evaluate(team, eval_ids: np.ndarray, timeout: float) -> float | None:
     WorkersLost if a member is lost meanwhile: this evaluation is lost with it."""
     if not len(eval_ids):
         return None
-    workers = team.workers
-    shares = order.split(eval_ids, [1.0] * len(workers)) if len(eval_ids) >= len(workers) else [eval_ids]
+    workers, ranks = team.workers, team.ranks
+    replicas = len(workers) // ranks
+    shares = order.split(eval_ids, [1.0] * replicas) if len(eval_ids) >= replicas else [eval_ids]
+    shares = [shares[rank // ranks] for rank in range(len(shares) * ranks)]  # a replica's ranks read alike
     results = team.gather([w.evaluate.remote(s) for w, s in zip(workers, shares)], workers, "evaluation", timeout)
     return sum(r[0] for r in results) / sum(r[1] for r in results)

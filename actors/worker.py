@@ -1,8 +1,13 @@
-"""Training worker: one Ray actor, one model replica, one rank of the process group.
+"""Training worker: one Ray actor, one rank of the process group: a whole model replica, or with a layout
+(parallel.tp × parallel.pp > 1) one rank's part of one (app/core/parallel.py).
 
 A worker is built (torch imported, model and optimizer made, data opened)
 before it joins a process group, so joining is cheap: the coordinator keeps
 such workers warm in a pool (actors/pool.py) and re-forms groups of live ones.
+A laid-out worker takes its part of the model when it joins, at the (stage, shard)
+its rank gives, and keeps that part's state when it leaves: a re-formed group puts
+it at the same place, or it takes the state of its twin (the same place in another
+replica).
 """
 
 from __future__ import annotations
@@ -77,13 +82,16 @@ class TrainWorker:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")  # one save at a time, off the step's path
         self._saving: Future | None = None
         self.peak_flops = peak_flops(self.device, cfg.train.precision)  # what MFU is measured against (None on CPU)
+        self.params = self.model.num_params()  # the whole model's, whatever part of it this rank holds
+        self.replica = None  # with a layout, in a group: this rank's part (app/core/parallel.py Replica)
+        self.held: dict | None = None  # with a layout, out of a group: the part's state, as layout_state.local_state
 
     def info(self) -> dict:
         node = ray.get_runtime_context().get_node_id()
         return {
             "pid": os.getpid(),
             "node": node,
-            "params": self.model.num_params(),
+            "params": self.params,
             "applied": self.applied,
             "peak_flops": self.peak_flops,
         }
@@ -116,8 +124,9 @@ class TrainWorker:
         )
         return self._store.host, self._store.port
 
-    def join(self, rank: int, world: int, host: str, port: int, generation: int) -> None:
-        """Enter the process group of `generation` (a fresh store prefix per membership)."""
+    def join(self, rank: int, world: int, host: str, port: int, generation: int) -> int | None:
+        """Enter the process group of `generation` (a fresh store prefix per membership). With a layout: the step
+        whose state this rank holds for its place (-1: none, its twin's is needed)."""
         timeouts = self.cfg.timeouts
         store = (
             self._store
@@ -135,6 +144,8 @@ class TrainWorker:
             timeout=timedelta(seconds=timeouts.collective_s),
         )
         self.rank, self.world = rank, world
+        if self.cfg.parallel.ranks > 1:
+            return self._lay_out()
         if world == 1:  # alone, DDP would only copy gradients into buckets and back: slower, nothing gained
             self.ddp = self.model
             return
@@ -148,6 +159,41 @@ class TrainWorker:
         self.sync.register(self.ddp)
         if comm.zero:
             self._shard_optimizer()
+
+    def _lay_out(self) -> int:
+        """Take this rank's part of the model: cut from the whole model this worker holds (a fresh one, or a
+        checkpoint's), or rebuilt around the part it held in the last group when its place is the same.
+        Elsewhere its state is of no use: -1, and the coordinator copies the twin's."""
+        from app.core.layout_state import load_full, load_local
+        from app.core.model import GPT
+        from app.core.parallel import Replica, coords, make_mesh
+
+        par = self.cfg.parallel
+        mesh = make_mesh(self.world, par, self.device.type)
+        at = coords(self.rank, par)
+        if self.held is None:  # the whole model: its state goes with the cut
+            whole = {"model": self.model.state_dict(), "optim": self._by_name(self.optimizer.state_dict())}
+            self.replica = Replica(self.model, mesh, par, self.device)
+            self._set_optimizer(make_optimizer(self.replica.model, self.cfg.optim))
+            load_full(self.replica, self.optimizer, whole)
+        else:  # rebuilt: the part's structure from the whole model, its values from what it held
+            torch.manual_seed(self.cfg.train.seed)
+            self.replica = Replica(GPT(self.cfg.model).to(self.device), mesh, par, self.device)
+            self.optimizer = make_optimizer(self.replica.model, self.cfg.optim)
+            self.scheduler = make_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.steps)
+            self.scheduler.load_state_dict(self.held["scheduler"])
+            if tuple(self.held["at"]) == (at.stage, at.shard):
+                load_local(self.replica, self.optimizer, self.held)
+            else:
+                self.applied = -1
+        self.model, self.held = self.replica.model, None
+        return self.applied
+
+    def _by_name(self, optimizer_state: dict) -> dict:
+        """A whole model's optimizer state by parameter name (layout_state's form)."""
+        from app.core.layout_state import by_name, whole_groups
+
+        return by_name(optimizer_state, whole_groups(self.cfg.model, self.cfg.optim))
 
     def _meet(self, store: dist.Store, world: int) -> None:
         """Wait until every rank of the generation has arrived, before the process group forms. torch's own
@@ -215,9 +261,8 @@ class TrainWorker:
     def optimizer_bytes(self) -> int:
         """Optimizer state this worker holds (ZeRO-1 keeps 1/world of it)."""
         local = self.optimizer.optim if self.sharded else self.optimizer
-        return sum(
-            t.numel() * t.element_size() for st in local.state.values() for t in st.values() if torch.is_tensor(t)
-        )
+        local_tensors = (_local(t) for st in local.state.values() for t in st.values() if torch.is_tensor(t))
+        return sum(t.numel() * t.element_size() for t in local_tensors)
 
     def train_step(
         self,
@@ -238,7 +283,8 @@ class TrainWorker:
         """
         started = time.perf_counter()
         faults.apply(fault, self)
-        torch.manual_seed(step_seed(self.cfg.train.seed, step, self.rank))
+        # a TP group's ranks draw alike: dropout on what they all hold (the residual stream) drops the same elements
+        torch.manual_seed(step_seed(self.cfg.train.seed, step, self.rank // self.cfg.parallel.tp))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         rows, data = self.train_data.get(ids, cursor)
@@ -246,14 +292,20 @@ class TrainWorker:
             self.sync.step = step
         computing = time.perf_counter()
         try:
-            loss_sum = self._forward_backward(self._tensor(rows), global_batch / self.world)
+            if self.replica is None:
+                loss_sum = self._forward_backward(self._tensor(rows), global_batch / self.world)
+                norm = None
+            else:
+                loss_sum, norm = self._replica_forward_backward(self._tensor(rows), len(ids) / global_batch)
             synced = time.perf_counter()
-            grad_norm, lr = self._update(global_batch, lr_scale, max_norm)
-        except Exception:
-            self._abort_group()
+            grad_norm, lr = self._update(global_batch, lr_scale, max_norm, norm)
+        except Exception as e:
+            self._leave_broken_replica(e)
+            self._abort_group(e)
             raise
         sync = self.sync.take_stats() if self.sync else {}
-        compute_s = (sync.get("last_ready") or synced) - computing  # up to the last bucket: no waiting on peers
+        # up to the last bucket: no waiting on peers. A replica's collectives are inside its schedule, not apart.
+        compute_s = (sync.get("last_ready") or synced) - computing
         finite = math.isfinite(grad_norm) or self.scaler.is_enabled()  # fp16: the scaler skips overflowing steps itself
         if finite:
             self.applied = step + 1
@@ -294,13 +346,26 @@ class TrainWorker:
         self.poisoned = 0.0
         return loss_sum
 
-    def _update(self, global_batch: int, lr_scale: float, max_norm: float) -> tuple[float, float]:
+    def _replica_forward_backward(self, rows: torch.Tensor, weight: float) -> tuple[float, float]:
+        """This rank's part of the replica's step, then the gradients summed over the tied pair and the replicas
+        and clipped by the whole model's norm. The step's loss is given by rank 0 alone (every rank knows it)."""
+        if self.slowdown > 1 or self.poisoned:
+            raise ValueError("fault kinds slow, nan and spike are not injected into a laid-out replica")
+        with self._autocast():
+            loss = self.replica.forward_backward(rows[:, :-1], rows[:, 1:], weight, self.cfg.train.micro_batch)
+        grad_norm = self.replica.sync_and_clip(self.cfg.optim.grad_clip or float("inf"))
+        return (loss if self.rank == 0 else 0.0), grad_norm
+
+    def _update(
+        self, global_batch: int, lr_scale: float, max_norm: float, grad_norm: float | None = None
+    ) -> tuple[float, float]:
         """Clip and step. Every rank holds the same synchronised gradient, so every rank decides alike:
         no step on a non-finite gradient (the coordinator rolls the run back), and an outlier's step
         (norm above `max_norm`, the guard's limit) is skipped while the schedule goes on."""
-        self.scaler.unscale_(self.optimizer)
-        clip = self.cfg.optim.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()
+        if grad_norm is None:  # a replica clipped already, over its ranks
+            self.scaler.unscale_(self.optimizer)
+            clip = self.cfg.optim.grad_clip or float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()
         if not math.isfinite(grad_norm) and not self.scaler.is_enabled():
             return grad_norm, float("nan")
         if math.isfinite(grad_norm) and grad_norm > max_norm:  # fp16 overflow (inf) is the scaler's to skip
@@ -411,6 +476,12 @@ class TrainWorker:
     def evaluate(self, ids: np.ndarray) -> tuple[float, int]:
         """Sum of per-sample mean losses over `ids` (held-out split), and their count."""
         self.model.eval()
+        if self.replica is not None:  # every rank of the replica runs it; rank 0 of the replica answers
+            rows = self._tensor(self.eval_data.get(ids))
+            with self._autocast():
+                mean = self.replica.evaluate(rows[:, :-1], rows[:, 1:], self.cfg.train.micro_batch)
+            first = self.replica.at.stage == 0 and self.replica.at.shard == 0
+            return (mean * len(ids), len(ids)) if first else (0.0, 0)
         total = 0.0
         for chunk in self._tensor(self.eval_data.get(ids)).split(self.cfg.train.micro_batch):
             with self._autocast():
@@ -422,7 +493,12 @@ class TrainWorker:
         """Model, optimizer, scheduler and scaler state, serialised for a checkpoint or a peer.
 
         With ZeRO-1 every member must call this together (the shards are gathered to rank 0);
-        only rank 0 returns the state, the others None."""
+        only rank 0 returns the state, the others None. With a layout, this rank's part, for its twin."""
+        if self.replica is not None:
+            from app.core.layout_state import local_state
+
+            part = local_state(self.replica, self.optimizer)
+            return serialize(part | self._schedule_state())
         sharded = self.sharded
         if sharded:
             self.optimizer.consolidate_state_dict(to=0)
@@ -451,6 +527,12 @@ class TrainWorker:
             self._saving = None
         lead = self.rank <= 0
         parts: dict = {}
+        if self.replica is not None:
+            self._stage_laid_out(parts, level)
+            self._saving = self._writer.submit(self._write, path, level, parts, parts.pop("weights", None), base_hashes)
+            if not background:
+                wait([self._saving])
+            return
         weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()} if lead else None
         if level == "full":
             if self.sharded:
@@ -466,6 +548,26 @@ class TrainWorker:
         self._saving = self._writer.submit(self._write, path, level, parts, weights, base_hashes)
         if not background:  # written when this returns; checkpoint_wait hands over the files or the error
             wait([self._saving])
+
+    def _stage_laid_out(self, parts: dict, level: str) -> None:
+        """The whole model's state gathered on rank 0 from the first replica's ranks, in the format every layout
+        and a plain run read (model.pt, optim.pt by the whole model's parameter order): a checkpoint resumes in
+        any layout. The other replicas hold the same state and take no part."""
+        from app.core.layout_state import as_optimizer_state, full_state, whole_groups
+
+        if self.replica.at.replica != 0:
+            return
+        full = full_state(self.replica, self.optimizer)
+        if full is None:  # not the replica's first rank: its part is in `full` there
+            return
+        parts["weights"] = full["model"]
+        if level == "full":
+            groups = whole_groups(self.cfg.model, self.cfg.optim)
+            parts["optim.pt"] = as_optimizer_state(full["optim"], self.optimizer.param_groups, groups)
+            parts["extra.pt"] = _snapshot(self._schedule_state())
+
+    def _schedule_state(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
 
     def checkpoint_wait(self) -> dict | None:
         """The files written by the last save (name -> bytes, sha256) and the weights' hashes; raises its error."""
@@ -488,6 +590,8 @@ class TrainWorker:
         """Take a live peer's state (bytes) or a checkpoint's parts, which are at `step`. In a group
         with ZeRO-1, keep only this rank's shard of the optimizer state; outside one, all of it."""
         state = _assemble(data) if isinstance(data, dict) else deserialize(data)
+        if self.replica is not None:
+            return self._load_laid_out(state, step)
         self.applied = step
         if self.sync:  # unsent gradient of a state that is being replaced
             self.sync.residuals.clear()
@@ -500,15 +604,46 @@ class TrainWorker:
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 
+    def _load_laid_out(self, state: dict, step: int) -> None:
+        """A twin's part (a state with "at"), or a whole model's (a checkpoint's, from any layout): this rank's part."""
+        from app.core.layout_state import load_full, load_local
+
+        if "at" in state:
+            load_local(self.replica, self.optimizer, state)
+        else:
+            whole = {"model": state["model"], "optim": self._by_name(state["optimizer"])}
+            load_full(self.replica, self.optimizer, whole)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._schedule_at(step)
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.applied = step
+
     def flat_grad(self) -> torch.Tensor:
         """The synchronised gradient of the last step (for the gradient-equality check)."""
         return torch.cat([p.grad.detach().flatten().cpu() for p in self.model.parameters()])
 
-    def _abort_group(self) -> None:
+    def _leave_broken_replica(self, error: Exception) -> None:
+        """A rank whose replica lost a rank in its forward or backward exits. Its replica is out of the group
+        anyway, and its state lives on in its twins; alive, it would hold the ranks of the other replicas in
+        their gradient all-reduce until timeouts.collective_s: once DTensor is loaded, destroying a gloo group
+        does not close its connections (measured on torch 2.13), and only the process's end does."""
+        broken = type(error).__name__ == "ReplicaBroken"  # app/core/parallel.py's, loaded with the replica
+        if broken and self.world > self.cfg.parallel.ranks:
+            print(f"rank {self.rank}: {error}; exiting, so that the other replicas go on at once", flush=True)
+            os._exit(1)
+
+    def _abort_group(self, error: BaseException | None = None) -> None:
         """Close this rank's connections after a failed collective. Of a dead rank's peers, only the
         ones connected to it fail at once; the others would wait out timeouts.collective_s for data
-        that never comes (and be taken for hung). Closing here makes them fail at once too."""
+        that never comes (and be taken for hung). Closing here makes them fail at once too.
+
+        A process group's connections close when the last reference to it goes, and the failure's
+        traceback holds the frames that hold a layout's mesh: it is cut first (the message stays)."""
+        while error is not None:
+            error.__traceback__, error = None, error.__cause__ or error.__context__
         self.ddp = None  # it holds the group
+        self._keep_part()
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
@@ -521,9 +656,21 @@ class TrainWorker:
             self.applied = -1
         if self.sync:  # top-k's unsent gradient is in this group's units (world size, split): start afresh
             self.sync.residuals.clear()
+        self._keep_part()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.ddp, self.rank, self.world = None, -1, 0
+
+    def _keep_part(self) -> None:
+        """A laid-out rank leaving its group keeps its part's state, not the part: its mesh goes with the group."""
+        if self.replica is None:
+            return
+        from app.core.layout_state import local_state
+
+        self.held = local_state(self.replica, self.optimizer) | {"scheduler": self.scheduler.state_dict()}
+        # Each of these holds the group's mesh, and through it the process groups: a failed group's connections
+        # close only once nothing holds them, and a peer waiting on them fails only then.
+        self.replica = self.model = self.optimizer = self.scheduler = None
 
     def _tensor(self, rows: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
@@ -556,6 +703,11 @@ def _assemble(parts: dict[str, bytes]) -> dict:
         shards = [deserialize(parts[n]) for n in sorted(parts) if re.fullmatch(r"optim-\d+\.pt", n)]
         optimizer = zero_state.merge(shards, deserialize(parts["optim-groups.pt"]))
     return {"model": model, "optimizer": optimizer, **deserialize(parts["extra.pt"])}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as this rank holds it: its shard of a DTensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _snapshot(obj):

@@ -52,11 +52,12 @@ def status(run: str) -> dict:
         ) from None
 
 
-def scale(run: str, workers: int) -> dict:
-    """Ask for `workers` members from the next step boundary on; returns the status at the time of asking."""
+def scale(run: str, workers: int | None = None, replicas: int | None = None) -> dict:
+    """Ask for `workers` members, or `replicas` model replicas (tp × pp workers each), from the next step boundary
+    on; returns the status at the time of asking."""
     handle = coordinator(run)
     try:
-        ray.get(handle.request_scale.remote(workers), timeout=CONNECT_S)
+        ray.get(handle.request_scale.remote(workers, replicas), timeout=CONNECT_S)
     except ValueError as e:
         raise ConfigError(str(getattr(e, "cause", e))) from None
     return status(run)

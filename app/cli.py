@@ -68,7 +68,7 @@ def _log_traceback(error: BaseException, path: Path | None) -> Path:
 
 def cmd_train(args, started_at: float) -> int:
     from app.core.config import ConfigError, load_config
-    from app.job import durable, new_run_dir, train, trainable
+    from app.job import durable, new_run_dir, train
 
     if args.resume and args.config:
         raise ConfigError("--resume takes the run's own config.yaml; drop --config (use --set for resumable keys)")
@@ -76,7 +76,7 @@ def cmd_train(args, started_at: float) -> int:
         run_dir = durable(Path(args.resume).expanduser().resolve(), "--resume")
         cfg = _resume_config(run_dir, args.set)
     else:
-        cfg = trainable(load_config(args.config, args.set))
+        cfg = load_config(args.config, args.set)
         run_dir = new_run_dir(cfg)
     args.log_file = run_dir / "driver.log"
     args.resume_hint = f"; resume with `etrain train --resume {run_dir}`"
@@ -148,7 +148,7 @@ def _parse_option(item: str) -> tuple[str, str]:
 def cmd_scale(args, started_at: float) -> int:
     from app import api
 
-    print(json.dumps(api.scale(args.run, args.workers)))
+    print(json.dumps(api.scale(args.run, args.workers, args.replicas)))
     return 0
 
 
@@ -461,10 +461,12 @@ def _parser() -> argparse.ArgumentParser:
         "scale",
         cmd_scale,
         "resize a running job at its next step boundary",
-        "etrain scale runs/20261129-123456 --workers 3",
+        "etrain scale runs/20261129-123456 --workers 3   (or --replicas 2 with parallel.tp × parallel.pp > 1)",
     )
     p.add_argument("run", help="the run directory (or its name)")
-    p.add_argument("--workers", type=int, required=True, help="workers wanted")
+    wanted = p.add_mutually_exclusive_group(required=True)
+    wanted.add_argument("--workers", type=int, help="workers wanted (with a layout, a multiple of tp × pp)")
+    wanted.add_argument("--replicas", type=int, help="model replicas wanted, tp × pp workers each")
 
     p = command(
         "status",

@@ -61,18 +61,6 @@ def durable(path: Path, key: str) -> Path:
     return path
 
 
-def trainable(cfg: Config) -> Config:
-    """The elastic trainer runs whole-model replicas only, for now: a tp × pp layout is refused here by name."""
-    par = cfg.parallel
-    if par.ranks > 1:
-        raise ConfigError(
-            f"parallel.tp={par.tp} × parallel.pp={par.pp}: the elastic trainer does not form tensor/pipeline-parallel "
-            f"replicas yet (the layouts run in app/core/parallel.py, its tests and bench/parallel.py); train with "
-            f"parallel.tp=1 parallel.pp=1"
-        )
-    return cfg
-
-
 def resolve_data(cfg: Config) -> str:
     """Manifest URI to train on, building the embedded corpus when none is given."""
     if cfg.data.source == "embedded":
@@ -120,7 +108,6 @@ def train(
     them).
     The run's lease is taken first: a run another live driver is training is refused (RunBusy)."""
     started_at = started_at or time.time()
-    trainable(cfg)
     run_dir = durable(Path(run_dir).resolve(), "the run directory")
     if cfg.checkpoint.uri and "://" not in cfg.checkpoint.uri:  # the coordinator's working directory is not ours
         cfg = override(

@@ -9,7 +9,6 @@ import re
 import pytest
 import torch
 
-from app.cli import main
 from app.core.config import ModelConfig, OptimConfig, ParallelConfig, load_config
 from app.core.layout_state import full_state, load_full, whole
 from app.core.local_ranks import local_group
@@ -129,9 +128,3 @@ def test_stages_split_the_blocks_evenly_middle_stages_first():
 def test_a_layout_the_model_or_batch_cannot_take_is_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config("tiny", overrides)
-
-
-def test_etrain_train_refuses_a_layout_until_replicas_are_formed(capsys, tmp_path):
-    assert main(["train", "--config", "tiny", "--set", "parallel.tp=2", "--set", f"run.root={tmp_path}"]) == 2
-    assert "the elastic trainer does not form tensor/pipeline-parallel replicas yet" in capsys.readouterr().err
-    assert not list(tmp_path.iterdir())  # refused before a run directory was made

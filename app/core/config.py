@@ -35,6 +35,7 @@ RESUMABLE = (
     "faults",
     "balance",
     "comm",
+    "parallel",  # a layout changes where the model's parts live, not what is trained: resumable in any other
 )
 
 

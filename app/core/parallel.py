@@ -126,14 +126,15 @@ def shard_of(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def sync_replicas(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Average gradients over the replicas (the dp dimension only), in one flat buffer."""
+def sync_replicas(model: nn.Module, mesh: DeviceMesh, weight: float) -> None:
+    """Sum each replica's gradient times its share of the global batch (`weight`) over the replicas, the dp
+    dimension only, in one flat buffer: replicas of unequal shares still give the whole batch's mean gradient."""
     if mesh["dp"].size() == 1:
         return
     grads = [shard_of(p.grad) for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
+    flat *= weight
     dist.all_reduce(flat, group=mesh["dp"].get_group())
-    flat /= mesh["dp"].size()
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -168,6 +169,15 @@ def clip_grads(model: GPT, max_norm: float, mesh: DeviceMesh, tied: bool) -> flo
     return norm
 
 
+def collective_failed(e: BaseException) -> bool:
+    """A failed collective: torch's own error type, or gloo's (a RuntimeError that names it)."""
+    return isinstance(e, dist.DistError) or any(k in str(e) for k in ("gloo/", "NCCL", "ProcessGroup"))
+
+
+class ReplicaBroken(RuntimeError):
+    """A collective among one replica's ranks failed: a rank of it is gone, and the replica with it."""
+
+
 class Replica:
     """One rank's part of a model replica laid out as `cfg` says, and the collectives its step needs."""
 
@@ -181,26 +191,69 @@ class Replica:
         self.model = shard_tensors(model, mesh["tp"]) if cfg.tp > 1 else model
         self.schedule = make_schedule(self.model, mesh, cfg, device) if cfg.pp > 1 else None
         self.tied_groups = TiedGroups(mesh, cfg) if self.tied else None
+        self.weight = 1 / mesh["dp"].size()  # this replica's share of the global batch
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """The replica's batch: the mean loss over it, known on every rank (the last stage computes it)."""
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, weight: float | None = None, chunk: int = 0) -> float:
+        """The replica's batch, forward and backward: the mean loss over the global batch, known on every rank.
+
+        `weight`: this replica's share of the global batch (equal shares if None); `chunk`: without a pipeline,
+        the batch runs in micro-batches of this many samples, gradients accumulating (0: all at once)."""
+        self.weight = 1 / self.mesh["dp"].size() if weight is None else weight
+        try:
+            mean = self._own_batch(x, y, chunk)
+        except RuntimeError as e:  # only the replica's own ranks take part up to here
+            if not collective_failed(e):
+                raise
+            raise ReplicaBroken(f"a rank of replica {self.at.replica} failed in its forward or backward: {e}") from e
+        return self._over_replicas(mean)
+
+    def _own_batch(self, x: torch.Tensor, y: torch.Tensor, chunk: int) -> torch.Tensor:
         if self.schedule is None:
-            _, loss = self.model(x, y)
-            loss.backward()
-            mean = loss.detach()
+            mean = torch.zeros(())
+            for xs, ys in zip(x.split(chunk or len(x)), y.split(chunk or len(x))):
+                _, loss = self.model(xs, ys)
+                part = loss * (len(xs) / len(x))
+                part.backward()
+                mean += part.detach().float()
         else:
             losses = []
             first, last = self.at.stage == 0, self.at.stage == self.cfg.pp - 1
             self.schedule.step(*([x] if first else []), target=y if last else None, losses=losses if last else None)
-            mean = torch.stack(losses).mean().detach() if last else torch.zeros(())
+            mean = torch.stack(losses).float().mean().detach() if last else torch.zeros(())
             dist.all_reduce(mean, group=self.mesh["pp"].get_group())  # only the last stage's is non-zero
-        if self.mesh["dp"].size() > 1:
-            dist.all_reduce(mean, group=self.mesh["dp"].get_group())
-            mean /= self.mesh["dp"].size()
-        return mean.item()
+        return mean
 
     def sync_and_clip(self, max_norm: float) -> float:
         if self.tied_groups:
             self.tied_groups.sync(self.model)
-        sync_replicas(self.model, self.mesh)
+        sync_replicas(self.model, self.mesh, self.weight)
         return clip_grads(self.model, max_norm, self.mesh, self.tied)
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, chunk: int) -> float:
+        """The mean loss over this replica's `x`, forward only: hidden states go from stage to stage by
+        send and receive, micro-batch by micro-batch; known on every rank of the replica."""
+        pp = self.mesh["pp"].get_group() if self.cfg.pp > 1 else None
+        first, last = self.at.stage == 0, self.at.stage == self.cfg.pp - 1
+        total = torch.zeros((), dtype=torch.float64)
+        for xs, ys in zip(x.split(chunk), y.split(chunk)):
+            if first:
+                h = self.model.logits(xs)
+            else:
+                h = torch.empty((*xs.shape, self.model.cfg.d_model), device=xs.device)
+                dist.recv(h, group_src=self.at.stage - 1, group=pp)
+                h = self.model.logits(h)
+            if not last:
+                dist.send(h.float().contiguous(), group_dst=self.at.stage + 1, group=pp)
+            else:
+                total += next_token_loss(h, ys).double() * len(xs)
+        if pp is not None:
+            dist.all_reduce(total, group=pp)  # only the last stage's is non-zero
+        return total.item() / len(x)
+
+    def _over_replicas(self, mean: torch.Tensor) -> float:
+        """Each replica's mean weighed by its share, summed over the replicas."""
+        if self.mesh["dp"].size() > 1:
+            mean = mean * self.weight
+            dist.all_reduce(mean, group=self.mesh["dp"].get_group())
+        return mean.item()

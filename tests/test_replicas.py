@@ -1,0 +1,121 @@
+"""Laid-out replicas (parallel.tp × parallel.pp ranks each) in the elastic trainer, on the session's Ray.
+
+Every layout trains what one whole-model worker trains on the same global batch, so a single worker's losses are
+the reference for all: a replica of any layout, a rank lost and its replica replaced, a resume in another layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+from runs import FAST, records
+
+from actors.control import JobError
+from app.job import new_run_dir, train
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+STEPS = 12
+BASE = [*FAST, f"train.steps={STEPS}", "cluster.warm_pool=0"]
+LAYOUTS = {
+    "tp2": ["cluster.num_workers=2", "parallel.tp=2"],
+    "pp2": ["cluster.num_workers=2", "parallel.pp=2", "parallel.microbatches=2"],
+    "tp2xpp2": ["cluster.num_workers=4", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"],
+}
+
+
+def losses(run_dir) -> list[float]:
+    return [r["loss"] for r in records(run_dir, "train")]
+
+
+def assert_same_losses(got: list[float], want: list[float], rel: float = 1e-4) -> None:
+    assert len(got) == len(want)
+    assert got == pytest.approx(want, rel=rel), list(zip(got, want))
+
+
+@pytest.fixture(scope="module")
+def single(make_cfg_module):
+    """steps -> one whole-model worker's losses and final evaluation: what every layout must reproduce."""
+    runs = {}
+
+    def reference(steps: int) -> tuple[list[float], float]:
+        if steps not in runs:
+            cfg = make_cfg_module(
+                *BASE, f"run.name=single-{steps}", "cluster.num_workers=1", f"train.steps={steps}",
+                f"train.eval_every={steps}",
+            )  # fmt: skip
+            run_dir = new_run_dir(cfg)
+            train(cfg, run_dir, progress=False)
+            runs[steps] = losses(run_dir), records(run_dir, "eval")[-1]["eval_loss"]
+        return runs[steps]
+
+    return reference
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_laid_out_job_trains_and_evaluates_as_one_whole_model_worker(single, make_cfg, layout):
+    cfg = make_cfg(*BASE, f"run.name={layout}", f"train.eval_every={STEPS}", *LAYOUTS[layout])
+    run_dir = new_run_dir(cfg)
+    summary = train(cfg, run_dir, progress=False)
+    assert summary["steps"] == STEPS
+    want, evaluated = single(STEPS)
+    assert_same_losses(losses(run_dir), want)
+    assert records(run_dir, "eval")[-1]["eval_loss"] == pytest.approx(evaluated, rel=1e-4)
+    final = records(run_dir, "checkpoint")[-1]
+    assert final["step"] == STEPS  # the whole model gathered from the replica's ranks, committed
+
+
+def test_a_rank_lost_takes_its_replica_out_and_a_replica_formed_from_the_pool_takes_its_place(single, make_cfg):
+    """2 replicas of tp=2; rank 3 dies as step 4 begins. Its replica leaves whole (rank 2, whose forward failed,
+    exits), replica 0 redoes step 4 alone, and once two fresh workers have started, they join as a new replica,
+    each taking its twin's state. Every step once, every sample once: the single worker's losses throughout."""
+    steps = 80  # room for two workers to start (~3 s here) while replica 0 trains alone
+    cfg = make_cfg(
+        *BASE,
+        "run.name=lost-rank",
+        f"train.steps={steps}",
+        "cluster.num_workers=4",
+        "parallel.tp=2",
+        "faults=[{rank: 3, step: 4, kind: kill}]",
+    )
+    run_dir = new_run_dir(cfg)
+    summary = train(cfg, run_dir, progress=False)
+    assert summary["steps"] == steps
+    changes = [(m["step"], m["reason"], m["world_before"], m["world_after"]) for m in records(run_dir, "membership")]
+    assert changes[0] == (3, "recover", 4, 2), changes  # replica 1 left whole
+    assert [c[1:] for c in changes[1:]] == [("scale-out", 2, 4)], changes  # a whole replica back, from the pool
+    trained = records(run_dir, "train")
+    assert [r["step"] for r in trained] == list(range(1, steps + 1))
+    assert [r["samples"] for r in trained] == [16 * r["step"] for r in trained]  # the data cursor: whole batches
+    assert [r["world_size"] for r in trained] == [4] * 3 + [2] * (changes[1][0] - 3) + [4] * (steps - changes[1][0])
+    assert_same_losses(losses(run_dir), single(steps)[0])
+
+
+@pytest.mark.parametrize(
+    "saved_by, resumed_by",
+    [("tp2xpp2", "single"), ("single", "tp2")],
+    ids=["tp2xpp2-to-single-on-s3", "single-to-tp2-on-disk"],
+)
+def test_a_checkpoint_resumes_in_another_layout_on_the_same_trajectory(
+    single, make_cfg, s3_bucket, saved_by, resumed_by
+):
+    """Saved at step 8 by one layout (the job then fails, a worker lost with no recovery allowed), resumed by
+    another: steps 9 to 12 are the single worker's."""
+    where = [f"checkpoint.uri={s3_bucket}/ck"] if saved_by != "single" else []
+    layout = {"single": ["cluster.num_workers=1"], **LAYOUTS}
+    common = [
+        *BASE,
+        "run.name=across",
+        "checkpoint.every=8",
+        "checkpoint.async_save=false",
+        "cluster.max_recoveries=0",
+        *where,
+    ]
+    cfg = make_cfg(*common, *layout[saved_by], "faults=[{rank: 0, step: 10, kind: kill}]")
+    run_dir = new_run_dir(cfg)
+    with pytest.raises(JobError, match="max_recoveries"):
+        train(cfg, run_dir, progress=False)
+    train(make_cfg(*common, *layout[resumed_by]), run_dir, resume=True, progress=False)
+    assert records(run_dir, "resume")[0]["step"] == 8
+    steps = records(run_dir, "train")
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert_same_losses(losses(run_dir), single(STEPS)[0])
