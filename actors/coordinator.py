@@ -301,6 +301,7 @@ class Coordinator:
             "mfu": train.get("mfu"),
             "last_checkpoint": {k: saved[k] for k in ("step", "level", "path")} if saved else None,
             "world_size": len(team.workers),
+            "layout": self._layout(),
             "wanted": team.wanted,
             "autoscaling": team.autoscaling,
             "warm_pool_ready": team.pool.ready(),
@@ -312,6 +313,11 @@ class Coordinator:
             "comm": self.cfg.comm.mode,
             "members": team.members(),
         }
+
+    def _layout(self) -> dict:
+        """How each replica is laid out, and how many there are (members name each rank's replica, stage, shard)."""
+        par = self.cfg.parallel
+        return par.model_dump() | {"ranks": par.ranks, "replicas": len(self.team.workers) // par.ranks}
 
     def request_scale(self, workers: int | None = None, replicas: int | None = None) -> None:
         """Ask for `workers` members, or `replicas` replicas of tp × pp members; they join at step boundaries as

@@ -18,8 +18,8 @@ from app.core.records import STEP_PARTS
 
 
 class Dashboard:
-    def __init__(self, run: str):
-        self.tags = {"run": run}
+    def __init__(self, run: str, ranks: int = 1):
+        self.tags, self.ranks = {"run": run}, ranks  # ranks: workers per model replica
         keys = ("run",)
         self.gauges = {
             name: Gauge(f"etrain_{name}", text, tag_keys=keys)
@@ -31,6 +31,7 @@ class Dashboard:
                 "mfu": "model FLOPs utilisation: achieved FLOP/s over the members' peak (GPU only; app/core/flops.py)",
                 "grad_norm": "gradient norm of the last step (before clipping)",
                 "world_size": "workers in the process group",
+                "replicas": "model replicas in the process group: workers / (parallel.tp * parallel.pp)",
                 "warm_pool_size": "warm workers ready to join",
                 "cache_hit_rate": "share of the shard requests served from the node caches, since the run started",
                 "checkpoint_stall_seconds": "how long the last save held up training",
@@ -83,6 +84,7 @@ class Dashboard:
             self.scale_events.inc(1, tags={**self.tags, "reason": record["reason"]})
             self._set("scale_latency", record["total_s"], self.scale_latency, reason=record["reason"])
             self._set("world_size", record["world_after"])
+            self._set("replicas", record["world_after"] // self.ranks)
         elif kind == "checkpoint":
             self._set("checkpoint_step", record["step"])
             self._set("checkpoint_stall_seconds", record.get("stall_s"))
@@ -97,6 +99,7 @@ class Dashboard:
             ("world_size", "world_size"),
         ):
             self._set(gauge, r.get(field))
+        self._set("replicas", r["world_size"] // self.ranks)
         if r.get("grad_norm") is not None and r["grad_norm"] == r["grad_norm"]:  # NaN has no bucket
             self.grad_norms.observe(r["grad_norm"], tags=self.tags)
             self.grad_norm_total.inc(r["grad_norm"], tags=self.tags)

@@ -27,7 +27,7 @@ class RunLog:
     def __init__(self, run_dir: Path, cfg: Config, started_at: float, lease: Lease, status: Callable[[], dict]):
         self.run_dir, self.cfg, self.started_at, self.status = run_dir, cfg, started_at, status
         self.keeper = Keeper(lease)  # renewed where the records are written: a frozen driver keeps the run
-        self.dashboard = Dashboard(run_dir.name)
+        self.dashboard = Dashboard(run_dir.name, cfg.parallel.ranks)
         self.phase, self.failure = State.STARTING, None  # why the job failed, once it has
         self.first_step_at: float | None = None
         self.latest: dict[str, dict] = {}  # the last record of each kind (status shows them)

@@ -225,11 +225,17 @@ def _status_text(st: dict) -> str:
         f"  recoveries {st['recoveries']}  group generation {st['generation']}  sync {st['comm']}",
         "  last checkpoint: " + (f"step {ckpt['step']} ({ckpt['level']}) {ckpt['path']}" if ckpt else "none yet"),
     ]
+    lay = st.get("layout")
+    if lay and lay["ranks"] > 1:
+        pipeline = f", {lay['schedule']} over {lay['microbatches']} micro-batches" if lay["pp"] > 1 else ""
+        shape = f"tp {lay['tp']} × pp {lay['pp']} = {lay['ranks']} ranks"
+        lines.append(f"  layout: {lay['replicas']} replica(s) of {shape}{pipeline}")
     if st["draining_nodes"]:
         lines.append(f"  draining nodes (preemption notice): {', '.join(n[:8] for n in st['draining_nodes'])}")
     for m in st["members"]:
         speed = f"{m['speed']:.1f} samples/s" if m["speed"] else "speed not measured yet"
-        lines.append(f"    rank {m['rank']}: node {(m['node'] or '?')[:8]} pid {m['pid']}  {speed}")
+        place = f"  replica {m['replica']} stage {m['stage']} shard {m['shard']}" if "replica" in m else ""
+        lines.append(f"    rank {m['rank']}: node {(m['node'] or '?')[:8]} pid {m['pid']}{place}  {speed}")
     return "\n".join(lines)
 
 

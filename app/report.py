@@ -38,19 +38,30 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = _of(records, "train")[0]["time"]
     events = _membership_events(records, t0)
+    layout = _layout(run_dir)
     figures = {
         "loss": _loss(records),
         "throughput": _throughput(records, t0, events),
         "data_wait": _data_wait(records),
-        "world_size": _world_size(records, t0),
+        "world_size": _world_size(records, t0, layout["ranks"]),
         "grad_norm": _grad_norm(records),
     }
     plots = {name: out_dir / f"{name}.png" for name in figures}
     for name, fig in figures.items():
         fig.savefig(plots[name])
-    summary, page = _summary(records), out_dir / "report.html"
+    summary, page = _summary(records, layout), out_dir / "report.html"
     page.write_text(_html(run_dir.name, summary, plots))
     return {"html": page, "plots": plots, "summary": summary, "events": events}
+
+
+def _layout(run_dir: Path) -> dict:
+    """The run's parallel section (config.yaml), with its ranks per replica; a whole model per worker without one."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    saved = (yaml.safe_load(path.read_text()) or {}).get("parallel") if path.is_file() else None
+    layout = {"tp": 1, "pp": 1, "microbatches": 1, "schedule": "1f1b"} | (saved or {})
+    return layout | {"ranks": layout["tp"] * layout["pp"]}
 
 
 def _load(run_dir: Path) -> list[dict]:
@@ -202,8 +213,9 @@ def _data_wait(records: list[dict]) -> Figure:
     return fig
 
 
-def _world_size(records: list[dict], t0: float) -> Figure:
-    """A train record's world ran the step that ended at its time, hence where="pre"."""
+def _world_size(records: list[dict], t0: float, ranks: int) -> Figure:
+    """A train record's world ran the step that ended at its time, hence where="pre". With a layout, the replicas on
+    the right-hand axis: the unit the group grows and shrinks by."""
     from matplotlib.ticker import MaxNLocator
 
     ax = (fig := _figure()).subplots()
@@ -223,6 +235,10 @@ def _world_size(records: list[dict], t0: float) -> Figure:
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(0, max([r["world_size"] for r in train] + [r["wanted"] for r in wanted]) + 1)
     ax.set(xlabel="wall time since the first step (s)", ylabel="workers", title="World size")
+    if ranks > 1:
+        right = ax.secondary_yaxis("right", functions=(lambda w: w / ranks, lambda r: r * ranks))
+        right.set_ylabel(f"replicas ({ranks} workers each)")
+        right.yaxis.set_major_locator(MaxNLocator(integer=True))
     return fig
 
 
@@ -258,7 +274,7 @@ def _time_mean(records: list[dict], key: str) -> float | None:
     return sum(r[key] * r["step_time_s"] for r in have) / sum(r["step_time_s"] for r in have) if have else None
 
 
-def _summary(records: list[dict]) -> dict:
+def _summary(records: list[dict], layout: dict) -> dict:
     train = _of(records, "train")
     done = [r for r in train if r.get("loss") is not None]
     steady = done[1:] or done  # the first step pays for warm-up
@@ -271,6 +287,7 @@ def _summary(records: list[dict]) -> dict:
         "mean_tokens_per_s": steady_tokens_per_s(train),
         "mean_mfu": _time_mean(steady, "mfu"),
         "membership": dict(changes),
+        "layout": layout | {"replicas": sorted({r["world_size"] // layout["ranks"] for r in train})},
         "checkpoints": len(_of(records, "checkpoint")),
         "checkpoints_failed": len(_of(records, "checkpoint_failed")),
         "recoveries": changes["recover"] + len(_of(records, "resume")) + len(_of(records, "rollback")),
@@ -289,6 +306,12 @@ def _html(name: str, summary: dict, plots: dict[str, Path]) -> str:
     ]
     if summary["mean_mfu"] is not None:
         rows.append(("mean MFU (after step 1)", num(summary["mean_mfu"], ".1%")))
+    lay = summary["layout"]
+    if lay["ranks"] > 1:
+        pipeline = f", {lay['schedule']} over {lay['microbatches']} micro-batches" if lay["pp"] > 1 else ""
+        fewest, most = lay["replicas"][0], lay["replicas"][-1]
+        counts = str(most) if fewest == most else f"{fewest}–{most}"
+        rows.append(("layout", f"tp {lay['tp']} × pp {lay['pp']}{pipeline}; replicas {counts}"))
     rows += [
         ("membership changes", ", ".join(f"{k} {v}" for k, v in summary["membership"].items()) or "none"),
         ("checkpoints committed", summary["checkpoints"]),

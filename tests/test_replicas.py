@@ -6,11 +6,15 @@ the reference for all: a replica of any layout, a rank lost and its replica repl
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from runs import FAST, records
 
 from actors.control import JobError
+from app.cli import _status_text
 from app.job import new_run_dir, train
+from app.report import write_report
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -88,6 +92,19 @@ def test_a_rank_lost_takes_its_replica_out_and_a_replica_formed_from_the_pool_ta
     assert [r["samples"] for r in trained] == [16 * r["step"] for r in trained]  # the data cursor: whole batches
     assert [r["world_size"] for r in trained] == [4] * 3 + [2] * (changes[1][0] - 3) + [4] * (steps - changes[1][0])
     assert_same_losses(losses(run_dir), single(steps)[0])
+
+    status = json.loads((run_dir / "status.json").read_text())  # what `etrain status` and the API show
+    assert status["layout"] | {"microbatches": 0} == {
+        "tp": 2, "pp": 1, "microbatches": 0, "schedule": "1f1b", "ranks": 2, "replicas": 2,
+    }  # fmt: skip
+    places = [(m["rank"], m["replica"], m["stage"], m["shard"]) for m in status["members"]]
+    assert places == [(0, 0, 0, 0), (1, 0, 0, 1), (2, 1, 0, 0), (3, 1, 0, 1)]
+    shown = _status_text(status)
+    assert "layout: 2 replica(s) of tp 2 × pp 1 = 2 ranks" in shown and "rank 3: " in shown
+    assert "replica 1 stage 0 shard 1" in shown
+    report = write_report(run_dir)
+    assert report["summary"]["layout"]["replicas"] == [1, 2]
+    assert "tp 2 × pp 1; replicas 1–2" in report["html"].read_text()
 
 
 @pytest.mark.parametrize(
