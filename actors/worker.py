@@ -301,7 +301,7 @@ class TrainWorker:
             grad_norm, lr = self._update(global_batch, lr_scale, max_norm, norm)
         except Exception as e:
             self._leave_broken_replica(e)
-            self._abort_group(e)
+            self._abort_group()
             raise
         sync = self.sync.take_stats() if self.sync else {}
         # up to the last bucket: no waiting on peers. A replica's collectives are inside its schedule, not apart.
@@ -633,15 +633,11 @@ class TrainWorker:
             print(f"rank {self.rank}: {error}; exiting, so that the other replicas go on at once", flush=True)
             os._exit(1)
 
-    def _abort_group(self, error: BaseException | None = None) -> None:
+    def _abort_group(self) -> None:
         """Close this rank's connections after a failed collective. Of a dead rank's peers, only the
         ones connected to it fail at once; the others would wait out timeouts.collective_s for data
-        that never comes (and be taken for hung). Closing here makes them fail at once too.
-
-        A process group's connections close when the last reference to it goes, and the failure's
-        traceback holds the frames that hold a layout's mesh: it is cut first (the message stays)."""
-        while error is not None:
-            error.__traceback__, error = None, error.__cause__ or error.__context__
+        that never comes (and be taken for hung). Closing here makes them fail at once too (not with a
+        layout: see _leave_broken_replica)."""
         self.ddp = None  # it holds the group
         self._keep_part()
         if dist.is_initialized():
@@ -668,8 +664,7 @@ class TrainWorker:
         from app.core.layout_state import local_state
 
         self.held = local_state(self.replica, self.optimizer) | {"scheduler": self.scheduler.state_dict()}
-        # Each of these holds the group's mesh, and through it the process groups: a failed group's connections
-        # close only once nothing holds them, and a peer waiting on them fails only then.
+        # the part is bound to this group's mesh, and `held` has its values: the next group builds it afresh
         self.replica = self.model = self.optimizer = self.scheduler = None
 
     def _tensor(self, rows: np.ndarray) -> torch.Tensor:
