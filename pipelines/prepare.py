@@ -1,7 +1,7 @@
 """`etrain prepare`: raw documents to training shards, as a Ray Data pipeline.
 
-read → normalise → quality filters → exact dedup (group by hash) → near dedup
-(MinHash; documents grouped by LSH band key) → byte tokens → packed rows, per
+read → normalise → quality filters → language (prepare.languages) → exact dedup
+(group by hash) → near dedup (MinHash; documents grouped by LSH band key) → byte tokens → packed rows, per
 logical shard (source x length bucket) → ~`data.shard_bytes` physical shards.
 
 Every document read is accounted for: kept, or rejected with a reason in
@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from app.core.config import Config, ConfigError, PrepareConfig
 from app.core.storage import STORAGE_ERRORS, StorageError, describe
-from pipelines import dedup, quality, tokenizer
+from pipelines import dedup, language, quality, tokenizer
 from pipelines.shards import SplitWriter, pack_rows, write_manifest
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
@@ -51,6 +51,9 @@ def prepare(
 ) -> dict:
     """Each stage is a Ray Data run with its own per-operator progress; the stage bar says which of them is running."""
     storage = storage or {}
+    known = language.known() if cfg.prepare.languages else set()
+    if unknown := sorted(set(cfg.prepare.languages) - known):
+        raise ConfigError(f"prepare.languages: the language check does not know {unknown}; it knows {sorted(known)}")
     fs, root = open_output(out, storage)
     if fs.exists(root) and fs.ls(root):
         if not overwrite:
@@ -74,7 +77,11 @@ def prepare(
             stages.update()
 
         docs = ray.data.from_items(files).flat_map(partial(read_documents, cfg=cfg.prepare, storage=storage))
-        docs = docs.map(partial(inspect, cfg=cfg)).materialize()
+        docs = docs.map(partial(inspect, cfg=cfg))
+        if cfg.prepare.languages:
+            allowed, share = cfg.prepare.languages, cfg.prepare.language_min_share
+            docs = docs.map_batches(partial(language.check, allowed=allowed, min_share=share), batch_format="pyarrow")
+        docs = docs.materialize()
         parts = _partitions(docs.count())
         kept = docs.filter(lambda r: r["reason"] is None)
         next_stage(1, documents=docs.count())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -144,6 +145,12 @@ class PrepareConfig(Section):
     length_buckets: list[int] = Field(
         [2_000, 20_000], description="character counts splitting short/medium/long logical shards"
     )
+    languages: list[str] = Field(
+        [], description="ISO 639-1 codes of the languages kept, e.g. [en]; other documents are rejected as language"
+    )
+    language_min_share: float = Field(
+        0.8, gt=0, le=1, description="share of a document's characters that must be in an allowed language"
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> PrepareConfig:
@@ -151,6 +158,9 @@ class PrepareConfig(Section):
             raise ValueError("prepare.min_mean_word_length must be below prepare.max_mean_word_length")
         if self.length_buckets != sorted(self.length_buckets) or len(self.length_buckets) != 2:
             raise ValueError("prepare.length_buckets must be two increasing character counts, e.g. [2000, 20000]")
+        odd = [code for code in self.languages if not re.fullmatch(r"[a-z]{2,3}", code)]
+        if odd:
+            raise ValueError(f"prepare.languages takes ISO 639-1 codes such as en, de, zh; got {odd}")
         return self
 
 

@@ -146,7 +146,8 @@ def clip_grads(model: GPT, max_norm: float, mesh: DeviceMesh, tied: bool) -> flo
 
     Each tensor counts once: a TP shard's squares are summed over the TP group, a whole tensor's are not (every
     rank of the group holds the same); stages add up; the head of a tied pair is the embedding's second copy."""
-    sharded, whole = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    device = shard_of(next(model.parameters())).device  # a collective's tensors live where the backend reads them
+    sharded, whole = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
     for name, p in model.named_parameters():
         if p.grad is None or (tied and name == "head.weight"):
             continue
@@ -209,7 +210,7 @@ class Replica:
 
     def _own_batch(self, x: torch.Tensor, y: torch.Tensor, chunk: int) -> torch.Tensor:
         if self.schedule is None:
-            mean = torch.zeros(())
+            mean = torch.zeros((), device=x.device)
             for xs, ys in zip(x.split(chunk or len(x)), y.split(chunk or len(x))):
                 _, loss = self.model(xs, ys)
                 part = loss * (len(xs) / len(x))
@@ -219,7 +220,7 @@ class Replica:
             losses = []
             first, last = self.at.stage == 0, self.at.stage == self.cfg.pp - 1
             self.schedule.step(*([x] if first else []), target=y if last else None, losses=losses if last else None)
-            mean = torch.stack(losses).float().mean().detach() if last else torch.zeros(())
+            mean = torch.stack(losses).float().mean().detach() if last else torch.zeros((), device=x.device)
             dist.all_reduce(mean, group=self.mesh["pp"].get_group())  # only the last stage's is non-zero
         return mean
 
@@ -235,7 +236,7 @@ class Replica:
         send and receive, micro-batch by micro-batch; known on every rank of the replica."""
         pp = self.mesh["pp"].get_group() if self.cfg.pp > 1 else None
         first, last = self.at.stage == 0, self.at.stage == self.cfg.pp - 1
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
         for xs, ys in zip(x.split(chunk), y.split(chunk)):
             if first:
                 h = self.model.logits(xs)
