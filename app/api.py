@@ -6,6 +6,7 @@ A run's coordinator is the named actor `etrain:RUN` in Ray namespace `etrain`.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import ray
@@ -20,15 +21,21 @@ def _connect() -> None:
     connect(os.environ.get("RAY_ADDRESS") or "auto", CONNECT_S)
 
 
-def coordinator(run: str):
+def coordinator(run: str, wait_s: float = 0.0):
+    """The run's coordinator actor; `wait_s`: how long to wait for a job that is starting to create it."""
     _connect()
     name = f"etrain:{Path(run).name}"
-    try:
-        return ray.get_actor(name)
-    except ValueError:
-        raise ConfigError(
-            f"no running job {name!r} on this Ray cluster; is `etrain train` still running for {run}?"
-        ) from None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return ray.get_actor(name)
+        except ValueError:
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            raise ConfigError(
+                f"no running job {name!r} on this Ray cluster; is `etrain train` still running for {run}?"
+            ) from None
 
 
 def runs() -> list[str]:

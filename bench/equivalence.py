@@ -36,14 +36,9 @@ def records(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == kind]
 
 
-def drive(run_dir: Path, name: str, steps: int) -> None:
+def drive(run_dir: Path, steps: int) -> None:
     """2 -> 3 as soon as a pool worker is ready; back to 2 once the killed worker's step has passed."""
-    coordinator = None
-    while coordinator is None:
-        try:
-            coordinator = ray.get_actor(f"etrain:{name}")
-        except ValueError:
-            time.sleep(0.05)
+    coordinator = api.coordinator(str(run_dir), wait_s=120)
     while ray.get(coordinator.status.remote())["warm_pool_ready"] < 1:
         time.sleep(0.1)
     api.scale(str(run_dir), 3)
@@ -72,7 +67,7 @@ def one_run(variant: str, steps: int, data: str, root: Path) -> dict:
     run_dir = new_run_dir(cfg)
     driver = None
     if variant != "fixed":
-        driver = threading.Thread(target=drive, args=(run_dir, name, steps), daemon=True)
+        driver = threading.Thread(target=drive, args=(run_dir, steps), daemon=True)
         driver.start()
     train(cfg, run_dir, progress=False)
     if driver is not None:

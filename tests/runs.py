@@ -11,6 +11,7 @@ from pathlib import Path
 
 import ray
 
+from app import api
 from app.cli import main
 from app.core.records import read_jsonl
 from app.job import new_run_dir, train
@@ -47,12 +48,7 @@ def run_scaled(make_cfg, name: str, sizes: tuple[int, ...], *overrides: str) -> 
     run_dir = new_run_dir(cfg)
 
     def drive():
-        coordinator = None
-        while coordinator is None:
-            try:
-                coordinator = ray.get_actor(f"etrain:{name}")
-            except ValueError:
-                time.sleep(0.05)
+        coordinator = api.coordinator(str(run_dir), wait_s=120)
         while ray.get(coordinator.status.remote())["warm_pool_ready"] < 1:
             time.sleep(0.1)
         for workers in sizes:

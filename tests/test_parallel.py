@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from app.cli import main
 from app.core.config import ModelConfig, OptimConfig, ParallelConfig, load_config
 from app.core.layout_state import full_state, load_full, whole
 from app.core.local_ranks import local_group
@@ -128,3 +129,10 @@ def test_stages_split_the_blocks_evenly_middle_stages_first():
 def test_a_layout_the_model_or_batch_cannot_take_is_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config("tiny", overrides)
+
+
+def test_etrain_train_refuses_a_layout_the_model_cannot_take_before_making_a_run_directory(capsys, tmp_path):
+    """The refusal the library's config gives reaches `etrain train` as a usage error: exit 2, the key named."""
+    assert main(["train", "--config", "tiny", "--set", "parallel.tp=3", "--set", f"run.root={tmp_path}"]) == 2
+    assert "parallel.tp=3 must divide model.n_head=4" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
