@@ -140,3 +140,26 @@ def test_search_survives_a_failing_trial_and_resumes_after_a_kill(data_dir, tmp_
     best = min((r for r in rows if r["status"] == "completed"), key=lambda r: r["eval_loss"])
     assert rows[0] == best
     assert load_config(str(out / "best.yaml")).optim.lr == pytest.approx(best["params"]["optim.lr"])
+
+
+def test_a_trial_asha_stopped_reaches_optuna_as_pruned_and_a_finished_one_as_complete():
+    """Ray tells Optuna a stopped trial is COMPLETE at its early loss; ours says PRUNED, keeping its evaluations."""
+    import optuna
+    from optuna.trial import TrialState
+    from ray.tune.result import TRAINING_ITERATION
+
+    from tune.search import METRIC, Search
+
+    space = {"optim.lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)}
+    search = Search(space, metric=METRIC, mode="min", sampler=optuna.samplers.RandomSampler(seed=0), steps=20)
+    for trial, losses in (("stopped", [3.0]), ("finished", [3.1, 2.5])):
+        search.suggest(trial)
+        for i, loss in enumerate(losses):
+            search.on_trial_result(trial, {METRIC: loss, "step": 10 * (i + 1), TRAINING_ITERATION: i + 1})
+        search.on_trial_complete(trial, {METRIC: losses[-1], "step": 10 * len(losses)})
+    search.suggest("failed")
+    search.on_trial_complete("failed", None, error=True)
+    stopped, finished, failed = search._ot_study.get_trials(deepcopy=False)
+    assert stopped.state == TrialState.PRUNED and stopped.intermediate_values == {1: 3.0}
+    assert finished.state == TrialState.COMPLETE and finished.value == 2.5
+    assert failed.state == TrialState.FAIL

@@ -29,6 +29,7 @@ from app.core.errors import why
 from app.core.records import read_jsonl
 
 METRIC = "eval_loss"
+REDUCTION = 3  # ASHA keeps the best 1/REDUCTION of the trials at each rung
 
 
 def run_search(
@@ -113,14 +114,15 @@ def _tune_config(
         "random": lambda: optuna.samplers.RandomSampler(seed=seed),
     }
     # OptunaSearch needs metric and mode itself when given a space: without them it maximises.
-    search = OptunaSearch(space, metric=METRIC, mode="min", sampler=samplers[sampler]())
     steps, every = base.train.steps, base.train.eval_every
+    search = Search(space, metric=METRIC, mode="min", sampler=samplers[sampler](), steps=steps)
+    # One evaluation of grace, then a third goes on at each rung (bench/hpo.py measures what that saves and costs).
     scheduler = (
         ASHAScheduler(
             time_attr="step",
             max_t=steps,
-            grace_period=min(steps, every * 2),
-            reduction_factor=3,
+            grace_period=min(steps, every),
+            reduction_factor=REDUCTION,
             stop_last_trials=False,
         )
         if pruning
@@ -134,6 +136,25 @@ def _tune_config(
         num_samples=trials,
         max_concurrent_trials=concurrency,
     )
+
+
+class Search(OptunaSearch):
+    """Ray's OptunaSearch, telling Optuna that a trial ASHA stopped was pruned.
+
+    Ray tells Optuna every trial that ends with a result as COMPLETE, valued at its last result, so a
+    trial stopped at its first rung would stand beside finished ones with an early, worse loss. Optuna
+    has the trial's evaluations already (Ray reports each one as an intermediate value), and its TPE
+    ranks a PRUNED trial by them, below every finished trial that got further.
+    """
+
+    def __init__(self, *args, steps: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps = steps
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
+        stopped = not error and result is not None and result.get("step", self.steps) < self.steps
+        # Ray's own rule: no result and no error is PRUNED
+        super().on_trial_complete(trial_id, None if stopped else result, error)
 
 
 def _resources(base: Config) -> tune.PlacementGroupFactory:
