@@ -7,7 +7,7 @@ And ASHA vs no pruning (both TPE): total training steps spent, and the best loss
 Every trial trains the tiny GPT with one worker. The space is one where parameters
 interact: the best lr depends on the width and on the warm-up, weight decay on the lr.
 
-    python bench/hpo.py [--trials 48] [--seeds 5] [--steps 60] [--concurrency 2]
+    python bench/hpo.py [--trials 48] [--seeds 5] [--steps 60] [--variants tpe random ...] [--resume]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ SPACE = {
     "optim.beta2": {"uniform": [0.9, 0.999]},
     "model.d_model": {"choice": [64, 96, 128, 160]},
 }
+MACHINE = "2 cores, tiny GPT (2 layers, width searched), 1 worker per trial"
 VARIANTS = {"tpe": ("tpe", True), "random": ("random", True), "tpe_no_pruning": ("tpe", False)}
 
 
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--data", default=str(Path.home() / ".cache/etrain/data"), help="where the embedded corpus is built"
     )
     parser.add_argument("--out", default=str(RESULTS / "hpo.json"), help="results file ('' to skip)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--resume", action="store_true", help="keep the searches --out holds; run the seeds it lacks")
     args = parser.parse_args(argv)
     from tune.space import parameter
 
@@ -79,10 +82,16 @@ def main(argv: list[str] | None = None) -> dict:
             address="local", num_cpus=max(4, args.concurrency * 2), include_dashboard=False, logging_level="warning"
         )
     base = override(base, {"data.source": resolve_data(base)})
+    config = {"trials": args.trials, "steps": args.steps, "concurrency": args.concurrency, "space": SPACE}
     runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    if args.resume:
+        runs = resumed(Path(args.out), config)
+    report = {"machine": MACHINE, **config, "runs": runs, **summarize(runs)}
     with tempfile.TemporaryDirectory(prefix="etrain-bench-hpo-") as tmp:
         for seed in range(args.seeds):
             for name, (sampler, pruning) in VARIANTS.items():
+                if name not in args.variants or any(r["seed"] == seed for r in runs[name]):
+                    continue
                 started = time.perf_counter()
                 rows = run_search(
                     base,
@@ -112,37 +121,56 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in run.items()})}",
                     flush=True,
                 )
-    mean = {
-        name: {
-            "best_eval_loss": statistics.mean(r["best_eval_loss"] for r in rs),
-            "trial_steps": statistics.mean(r["trial_steps"] for r in rs),
-        }
-        for name, rs in runs.items()
-    }
-    tpe, rnd = ([r["best_eval_loss"] for r in runs[k]] for k in ("tpe", "random"))
-    ratios = {
-        "tpe_vs_random_mean_best_loss": mean["tpe"]["best_eval_loss"] / mean["random"]["best_eval_loss"],
-        "random_minus_tpe_best_loss": statistics.mean(rnd) - statistics.mean(tpe),
-        "random_minus_tpe_best_loss_95ci": bootstrap_difference(rnd, tpe),
-        "tpe_wins_share_of_seeds": sum(t < r for t, r in zip(tpe, rnd)) / len(tpe),
-        "asha_steps_saved": 1 - mean["tpe"]["trial_steps"] / mean["tpe_no_pruning"]["trial_steps"],
-        "asha_best_loss_change": mean["tpe"]["best_eval_loss"] / mean["tpe_no_pruning"]["best_eval_loss"] - 1,
-    }
-    report = {
-        "machine": "2 cores, tiny GPT (2 layers, width searched), 1 worker per trial",
-        "trials": args.trials,
-        "seeds": args.seeds,
-        "steps": args.steps,
-        "concurrency": args.concurrency,
-        "space": SPACE,
-        "runs": runs,
-        "mean": mean,
-        "ratios": ratios,
-    }
-    print(json.dumps(ratios, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+                report = {"machine": MACHINE, **config, "runs": runs, **summarize(runs)}
+                if args.out:  # after every search: a long benchmark killed part-way keeps what it measured
+                    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report.get("ratios"), indent=1))
     return report
+
+
+def resumed(out: Path, config: dict) -> dict[str, list[dict]]:
+    """The searches an earlier run of the same benchmark saved in `out`, to go on from."""
+    earlier = json.loads(out.read_text())
+    differs = [k for k, v in config.items() if k != "concurrency" and earlier.get(k) != v]
+    if differs:
+        raise SystemExit(f"--resume: {out} was measured with other {', '.join(differs)}; start it afresh")
+    return {name: earlier["runs"].get(name, []) for name in VARIANTS}
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Each comparison over the seeds both of its sides have run (at least 2)."""
+    out: dict = {"mean": {}, "ratios": {}}
+    tpe, rnd = paired(runs, "tpe", "random")
+    if len(tpe) >= 2:
+        a, b = [r["best_eval_loss"] for r in tpe], [r["best_eval_loss"] for r in rnd]
+        out["mean"] |= {"tpe": means(tpe), "random": means(rnd)}
+        out["ratios"] |= {
+            "tpe_vs_random_seeds": [r["seed"] for r in tpe],
+            "tpe_vs_random_mean_best_loss": statistics.mean(a) / statistics.mean(b),
+            "random_minus_tpe_best_loss": statistics.mean(b) - statistics.mean(a),
+            "random_minus_tpe_best_loss_95ci": bootstrap_difference(b, a),
+            "tpe_wins_share_of_seeds": sum(x < y for x, y in zip(a, b)) / len(a),
+        }
+    asha, full = paired(runs, "tpe", "tpe_no_pruning")
+    if len(asha) >= 2:
+        m_asha, m_full = means(asha), means(full)
+        out["mean"] |= {"tpe_no_pruning": m_full}
+        out["ratios"] |= {
+            "asha_seeds": [r["seed"] for r in asha],
+            "asha_steps_saved": 1 - m_asha["trial_steps"] / m_full["trial_steps"],
+            "asha_best_loss_change": m_asha["best_eval_loss"] / m_full["best_eval_loss"] - 1,
+        }
+    return out
+
+
+def paired(runs: dict[str, list[dict]], a: str, b: str) -> tuple[list[dict], list[dict]]:
+    """The runs of `a` and `b` on the seeds both have, in seed order."""
+    seeds = {r["seed"] for r in runs[a]} & {r["seed"] for r in runs[b]}
+    return tuple(sorted((r for r in runs[k] if r["seed"] in seeds), key=lambda r: r["seed"]) for k in (a, b))
+
+
+def means(rs: list[dict]) -> dict:
+    return {k: statistics.mean(r[k] for r in rs) for k in ("best_eval_loss", "trial_steps")}
 
 
 if __name__ == "__main__":
