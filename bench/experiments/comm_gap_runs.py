@@ -1,0 +1,50 @@
+"""The single runs behind bench/experiments/comm_gap.md: each a named variant of the tiny GPT's 2-worker run.
+
+    python bench/experiments/comm_gap_runs.py NAME[,KEY=VALUE...] ...   (STEPS=300 EVERY=100 by default)
+
+Variants that need code (frozen variance, DGC, ...) come from comm_gap_variants.diff, applied to the
+commit named in comm_gap.md and switched on by the environment variables it reads.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import ray
+
+from app.core.config import load_config
+from app.core.records import read_jsonl
+from app.job import new_run_dir, train
+
+
+def main() -> None:
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
+    steps, every = os.environ.get("STEPS", "300"), os.environ.get("EVERY", "100")
+    with tempfile.TemporaryDirectory(prefix="etrain-comm-gap-") as root:
+        for spec in sys.argv[1:]:
+            name, *overrides = spec.split(",")
+            base = [
+                f"data.cache_dir={Path.home()}/.cache/etrain/data",
+                f"run.root={root}",
+                f"run.name={name}",
+                f"train.steps={steps}",
+                f"train.eval_every={every}",
+                "checkpoint.every=0",
+                "cluster.warm_pool=0",
+            ]
+            cfg = load_config("tiny", [*base, *overrides])
+            run_dir = new_run_dir(cfg)
+            train(cfg, run_dir, progress=False)
+            records = read_jsonl(run_dir / "metrics.jsonl")
+            norms = [r["grad_norm"] for r in records if r["kind"] == "train"][20:]
+            evals = [(r["step"], round(r["eval_loss"], 4)) for r in records if r["kind"] == "eval"]
+            clipped = sum(n > 1.0 for n in norms) / len(norms)
+            print(f"{name}: eval {evals}, clipped {clipped:.1%}, median grad norm {statistics.median(norms):.3f}")
+
+
+if __name__ == "__main__":
+    main()
