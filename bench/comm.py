@@ -46,8 +46,9 @@ SYNC = {
 WARMUP = 10  # steps left out of throughput: start-up, first buckets, the balancer's first measurements
 
 
-def run_variant(name: str, overrides: list[str], steps: int, root: Path, data_dir: str) -> dict:
-    base = [
+def base_overrides(name: str, steps: int, root: Path | str, data_dir: str) -> list[str]:
+    """The tiny GPT's 2-worker run every variant starts from: evaluated once at the end, no checkpoints."""
+    return [
         f"data.cache_dir={data_dir}",
         f"run.root={root}",
         f"run.name={name}",
@@ -56,7 +57,10 @@ def run_variant(name: str, overrides: list[str], steps: int, root: Path, data_di
         "checkpoint.every=0",
         "cluster.warm_pool=0",
     ]
-    cfg = load_config("tiny", [*base, *overrides])
+
+
+def run_variant(name: str, overrides: list[str], steps: int, root: Path, data_dir: str) -> dict:
+    cfg = load_config("tiny", [*base_overrides(name, steps, root, data_dir), *overrides])
     run_dir = new_run_dir(cfg)
     train(cfg, run_dir, progress=False)
     records = read_jsonl(run_dir / "metrics.jsonl")

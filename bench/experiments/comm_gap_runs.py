@@ -20,6 +20,9 @@ from app.core.config import load_config
 from app.core.records import read_jsonl
 from app.job import new_run_dir, train
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from comm import base_overrides  # noqa: E402
+
 
 def main() -> None:
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
@@ -27,15 +30,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="etrain-comm-gap-") as root:
         for spec in sys.argv[1:]:
             name, *overrides = spec.split(",")
-            base = [
-                f"data.cache_dir={Path.home()}/.cache/etrain/data",
-                f"run.root={root}",
-                f"run.name={name}",
-                f"train.steps={steps}",
-                f"train.eval_every={every}",
-                "checkpoint.every=0",
-                "cluster.warm_pool=0",
-            ]
+            data = f"{Path.home()}/.cache/etrain/data"
+            base = [*base_overrides(name, int(steps), root, data), f"train.eval_every={every}"]  # the last wins
             cfg = load_config("tiny", [*base, *overrides])
             run_dir = new_run_dir(cfg)
             train(cfg, run_dir, progress=False)
