@@ -34,8 +34,12 @@ class GradSync:
 
     fp16/bf16/powersgd are torch's hooks; top-k is ours (torch has no sparsifying hook),
     with error feedback: what a step does not send is added to the next step's gradient.
-    Top-k residuals are keyed by parameter, so they survive a new DDP over the same model
-    (a new group after a membership change); PowerSGD's state is per bucket and is rebuilt.
+
+    Top-k's residuals are part of the run's state, like the optimizer's: a step's residuals
+    count once the step does (`commit`: a failed step is redone from the ones before it);
+    they are stamped with the step of the state they belong to, keyed by parameter so they
+    survive a new DDP, rescaled when the group's size changes, and written to checkpoints
+    (`saved`, `carry`). PowerSGD's state is torch's, per bucket, and is rebuilt per group.
     """
 
     def __init__(self, mode: str, topk_ratio: float = 0.1, powersgd_rank: int = 2, start: int = 0):
@@ -45,8 +49,12 @@ class GradSync:
         # Plain all-reduce for the first `start` steps: early gradients change fast, and what top-k holds
         # back then arrives stale (measured on the tiny GPT: it shrinks top-k's loss gap by more than half).
         self.start = start
-        self.step = 0  # the run's global step, set by the worker: every rank decides alike, joiners too
+        self.step = 0  # the step in flight (`begin`)
         self.residuals: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> flat error not yet sent
+        self.held_at = -1  # the step of the state the residuals belong to (the worker's `applied` at commit)
+        self.units = 0  # the size of the group they were made in: each rank's residual weighs 1/units in the mean
+        self._next: dict[torch.Tensor, torch.Tensor] = {}  # the step in flight's, kept by `commit`
+        self._carried: list[dict[str, torch.Tensor]] | None = None  # a checkpoint's, by rank, for the next group
         self._lock = threading.Lock()  # hooks count in the autograd thread, take_stats reads in the caller's
         self._comm = self._dense = 0
         self._last_ready: float | None = None
@@ -69,6 +77,47 @@ class GradSync:
             ddp.register_comm_hook(group, self._counted(self._topk_hook, self._topk_bytes))
         else:
             ddp.register_comm_hook(group, self._counted(_TORCH_HOOKS[self.mode], self._cast_bytes))
+
+    def begin(self, step: int) -> None:
+        """A step starts: `step` is the run's global step, so every rank decides alike, joiners too."""
+        self.step, self._next = step, {}
+
+    def commit(self, applied: int, sent: bool = True) -> None:
+        """The step succeeded and the state is now at `applied`. `sent`: its gradient was applied; an outlier's
+        skipped step leaves the residuals as they were, so the spike is not carried into the next steps."""
+        if sent:
+            self.residuals.update(self._next)
+        self._next, self.held_at = {}, applied
+
+    def loaded(self, step: int, carried: list[dict[str, torch.Tensor]] | None = None) -> None:
+        """A state at `step` replaced the model's: a checkpoint's residuals (one per rank that wrote it) go with it,
+        adopted by `regroup`; without them, this worker's own are kept only if they belong to that state."""
+        if carried is not None:
+            self.residuals, self._carried, self.held_at = {}, carried, step
+        elif self.held_at != step:
+            self.residuals = {}
+
+    def regroup(self, rank: int, world: int, named: list[tuple[str, torch.Tensor]], applied: int) -> None:
+        """Residuals for this rank of a group of `world` over the state at `applied`.
+
+        The mean over ranks carries (1/units) x the sum of the residuals. A rank that stays keeps its own,
+        times world/units: its share of the mean stays the same; a joiner starts with none, and a leaver's or a
+        lost rank's share goes with it. A checkpoint's go back to their ranks at the same size; at another,
+        every rank takes their mean, which keeps the sum the mean carries."""
+        if self._carried is not None:
+            saved = self._carried[rank] if len(self._carried) == world else _mean(self._carried)
+            self.residuals = {p: saved[n].to(p.device) for n, p in named if n in saved}
+            self._carried = None
+        elif self.held_at != applied:  # made for another state (this worker trained alone since, or was reloaded)
+            self.residuals = {}
+        elif self.units and world != self.units:
+            for residual in self.residuals.values():
+                residual.mul_(world / self.units)
+        self.units, self.held_at = world, applied
+
+    def saved(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """This rank's residuals by parameter name, on CPU: its part of a checkpoint."""
+        return {n: self.residuals[p].detach().to("cpu", copy=True) for n, p in named if p in self.residuals}
 
     def take_stats(self) -> dict:
         """Bytes this worker handed to collectives since the last take, against what plain all-reduce would send."""
@@ -131,12 +180,16 @@ class GradSync:
             [self.residuals[p] if p in self.residuals else buffer.new_zeros(p.numel()) for p in params]
         )
         payload, residual = topk_compress(buffer + residual, self.topk_ratio)
-        self.residuals.update(zip(params, residual.split([p.numel() for p in params])))
+        self._next.update(zip(params, residual.split([p.numel() for p in params])))
         world = group.size()
         gathered = payload.new_empty(world * payload.numel())
         fut = dist.all_gather_into_tensor(gathered, payload, group=group, async_op=True).get_future()
         numel, ratio = buffer.numel(), self.topk_ratio
         return fut.then(lambda _: topk_decompress(gathered, numel, ratio).to(buffer.dtype).div_(world))
+
+
+def _mean(ranks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {n: torch.stack([r[n] for r in ranks]).mean(0) for n in ranks[0]}
 
 
 def _settle(fut: torch.futures.Future, hook, state, bucket: dist.GradBucket) -> None:

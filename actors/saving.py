@@ -48,17 +48,28 @@ class RewindPoint:
 
 
 class Saver:
-    def __init__(self, cfg: Config, uri: str, record: Callable[[Record], None], gather: Callable[..., list]):
-        self.cfg, self.uri, self._record, self._gather = cfg, uri, record, gather
+    def __init__(
+        self,
+        cfg: Config,
+        uri: str,
+        record: Callable[[Record], None],
+        gather: Callable[..., list],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cfg, self.uri, self._record, self._gather, self._clock = cfg, uri, record, gather, clock
+        self.last_full = clock()  # when the last full save began (the run's start before any): checkpoint.every_s
         self.saving: Save | None = None  # one at a time
         self.base: dict | None = None  # the last full checkpoint this run wrote: directory, step, weight hashes
         self.stall = 0.0  # seconds saves held the step loop up since the last step (its record carries them)
         self.cursor_log = checkpoint.CursorLog(uri)
 
     def level(self, step: int) -> str | None:
-        """The level due after `step`: full (also a light one without a base to complete it), light, or none."""
+        """The level due after `step`: full (by steps or by the clock; also a light one without a base to complete
+        it), light, or none."""
         ck = self.cfg.checkpoint
         if due(step, ck.every, self.cfg.train.steps):
+            return "full"
+        if ck.every_s and self._clock() - self.last_full >= ck.every_s:
             return "full"
         if ck.light_every and step % ck.light_every == 0:
             return "light" if self.base is not None else "full"
@@ -66,7 +77,8 @@ class Saver:
 
     def begin(self, step: int, workers: list, sharded: bool, meta: dict) -> None:
         """Have the writers stage and write their parts of the state at `step`: every rank its optimizer
-        shard under ZeRO-1 (full saves), else rank 0 alone (with a layout, what the first replica gathers on it).
+        shard under ZeRO-1 and its residuals under top-k (full saves), else rank 0 alone (with a layout,
+        what the first replica gathers on it).
         The step loop waits only for the staging (and for the previous save, if still in flight); synchronous
         saves and the last step's are waited for.
         WorkersLost if a writer is lost before it staged: the step is saved again once the group has recovered."""
@@ -75,12 +87,15 @@ class Saver:
             self.finish()
             level = self.level(step) or "full"
             # a layout's whole state is gathered from its first replica's ranks onto rank 0
-            writers = workers if sharded and level == "full" else workers[: self.cfg.parallel.ranks]
+            every_rank = sharded or self.cfg.comm.compression == "topk"  # shards, top-k's residuals
+            writers = workers if every_rank and level == "full" else workers[: self.cfg.parallel.ranks]
             try:
                 path = checkpoint.prepare(self.uri, step)
             except STORAGE_ERRORS as e:  # storage refuses: training goes on, the last good checkpoint stays the last
                 return self._failed(step, describe(e))
             meta = {**meta, "level": level, "step": step}
+            if level == "full":
+                self.last_full = self._clock()
             if level == "light":
                 meta |= {"base": self.base["dir"], "base_step": self.base["step"]}
             background = self.cfg.checkpoint.async_save

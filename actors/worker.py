@@ -43,7 +43,7 @@ from app.core.checkpoint import (
 from app.core.config import Config
 from app.core.flops import peak_flops
 from app.core.model import GPT
-from app.core.optim import make_optimizer, make_param_groups, make_scheduler
+from app.core.optim import make_optimizer, make_param_groups, make_scheduler, optimizer_class, optimizer_defaults
 from pipelines.order import Layout, take
 from pipelines.shards import ShardReader
 from pipelines.stream import StreamingReader
@@ -157,6 +157,7 @@ class TrainWorker:
         comm = self.cfg.comm
         self.sync = self.sync or GradSync(comm.compression, comm.topk_ratio, comm.powersgd_rank, comm.compress_start)
         self.sync.register(self.ddp)
+        self.sync.regroup(rank, world, list(self.model.named_parameters()), self.applied)
         if comm.zero:
             self._shard_optimizer()
 
@@ -229,11 +230,11 @@ class TrainWorker:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         full = self.optimizer.state_dict()
+        # ZeRO-1 gives each rank whole parameters: LAMB's per-tensor trust ratio is the same as unsharded
         sharded = ZeroRedundancyOptimizer(
             make_param_groups(self.model, self.cfg.optim),
-            optimizer_class=torch.optim.AdamW,
-            lr=self.cfg.optim.lr,
-            betas=(self.cfg.optim.beta1, self.cfg.optim.beta2),
+            optimizer_class=optimizer_class(self.cfg.optim),
+            **optimizer_defaults(self.cfg.optim),
         )
         sharded.load_state_dict(full)
         self._set_optimizer(sharded, sharded=True)
@@ -289,7 +290,7 @@ class TrainWorker:
         self.optimizer.zero_grad(set_to_none=True)
         rows, data = self.train_data.get(ids, cursor)
         if self.sync:
-            self.sync.step = step
+            self.sync.begin(step)
         computing = time.perf_counter()
         try:
             if self.replica is None:
@@ -309,6 +310,8 @@ class TrainWorker:
         finite = math.isfinite(grad_norm) or self.scaler.is_enabled()  # fp16: the scaler skips overflowing steps itself
         if finite:
             self.applied = step + 1
+            if self.sync:
+                self.sync.commit(self.applied, sent=not grad_norm > max_norm)
         return StepReport(
             finite=finite,
             skipped=math.isfinite(grad_norm) and grad_norm > max_norm,
@@ -521,7 +524,8 @@ class TrainWorker:
     def checkpoint_begin(self, path: str, level: str, base_hashes: dict | None, background: bool = True) -> None:
         """Copy this rank's part of the state to CPU, then write it under `path`: in the background,
         so training goes on, unless told otherwise. Rank 0 writes the weights, scheduler and scaler;
-        the optimizer state is rank 0's, or under ZeRO-1 each rank writes its own shard."""
+        the optimizer state is rank 0's, or under ZeRO-1 each rank writes its own shard; with top-k every rank
+        writes its residuals too (full saves)."""
         if self._saving is not None:  # a save the coordinator never collected (it went back past it): let it end
             wait([self._saving])
             self._saving = None
@@ -545,6 +549,8 @@ class TrainWorker:
                 parts["extra.pt"] = _snapshot(
                     {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
                 )
+            if self.world > 1 and self.sync and self.sync.residuals and self.sync.held_at == self.applied:
+                parts[f"residual-{self.rank:03d}.pt"] = self.sync.saved(list(self.model.named_parameters()))
         self._saving = self._writer.submit(self._write, path, level, parts, weights, base_hashes)
         if not background:  # written when this returns; checkpoint_wait hands over the files or the error
             wait([self._saving])
@@ -593,8 +599,10 @@ class TrainWorker:
         if self.replica is not None:
             return self._load_laid_out(state, step)
         self.applied = step
-        if self.sync:  # unsent gradient of a state that is being replaced
-            self.sync.residuals.clear()
+        if self.sync:  # top-k's unsent gradient: a checkpoint's goes with its state, this worker's may not
+            self.sync.loaded(step, state.get("residuals"))
+            if self.world > 1:  # in a group already (a resume, a rollback): this rank's now
+                self.sync.regroup(self.rank, self.world, list(self.model.named_parameters()), step)
         self.model.load_state_dict(state["model"])
         self.scheduler.load_state_dict(state["scheduler"])
         self._unshard_optimizer(state["optimizer"])
@@ -650,8 +658,6 @@ class TrainWorker:
         if self.sharded:
             self._set_optimizer(make_optimizer(self.model, self.cfg.optim))
             self.applied = -1
-        if self.sync:  # top-k's unsent gradient is in this group's units (world size, split): start afresh
-            self.sync.residuals.clear()
         self._keep_part()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -697,7 +703,10 @@ def _assemble(parts: dict[str, bytes]) -> dict:
     else:
         shards = [deserialize(parts[n]) for n in sorted(parts) if re.fullmatch(r"optim-\d+\.pt", n)]
         optimizer = zero_state.merge(shards, deserialize(parts["optim-groups.pt"]))
-    return {"model": model, "optimizer": optimizer, **deserialize(parts["extra.pt"])}
+    # top-k's residuals, one per rank: a light checkpoint's come from its base, another step's state, and are dropped
+    residuals = [deserialize(parts[n]) for n in sorted(parts) if re.fullmatch(r"residual-\d+\.pt", n)]
+    carried = residuals if residuals and LIGHT not in parts else None
+    return {"model": model, "optimizer": optimizer, **deserialize(parts["extra.pt"]), "residuals": carried}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

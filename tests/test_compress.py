@@ -68,10 +68,11 @@ def train_steps(ddp: DDP, sync: GradSync, rank: int, steps: range) -> list[dict]
     """Backward only (no optimizer): each step's stats, with the bytes that really went out."""
     stats = []
     for step in steps:
-        sync.step = step
+        sync.begin(step)
         ddp.module.zero_grad()
         with wire_bytes() as sent:
             loss_of(ddp, batch(rank, step)).backward()
+        sync.commit(step + 1)
         stats.append({**sync.take_stats(), "wire": sum(sent)})
     return stats
 
@@ -102,17 +103,26 @@ def error_feedback(rank: int) -> dict:
     def residual() -> torch.Tensor:
         return torch.cat([sync.residuals[p] for p in model.parameters()])
 
+    step = 0
     for phase in ("first", "second"):
         if phase == "second":
             out["before"] = residual()
             ddp = DDP(model, process_group=dist.new_group(list(range(WORLD))), bucket_cap_mb=BUCKET_MB)
             sync.register(ddp)
+            sync.regroup(rank, WORLD, list(model.named_parameters()), step)
             out["carried"] = residual()
         for _ in range(EF_STEPS):
+            sync.begin(step)
             model.zero_grad()
             loss_of(ddp, x).backward()
+            step += 1
+            sync.commit(step)
             out["synced"].append(flat_grad(model))
     out["residual"] = residual()
+    sync.begin(step)  # a step that fails after its sync (a peer lost): redone later, from the residuals before it
+    model.zero_grad()
+    loss_of(ddp, x).backward()
+    out["uncommitted"] = residual()
     return out
 
 
@@ -208,6 +218,59 @@ def test_topk_residual_survives_a_new_ddp(ranks):
     for r in (rank["error_feedback"] for rank in ranks):
         assert r["before"].abs().sum() > 0
         assert torch.equal(r["carried"], r["before"])
+
+
+def test_a_step_counts_in_the_residuals_only_once_committed(ranks):
+    for r in (rank["error_feedback"] for rank in ranks):
+        assert torch.equal(r["uncommitted"], r["residual"])
+
+
+def residual_sync(values: list[float], world: int, applied: int = 5) -> tuple[GradSync, list]:
+    """A top-k GradSync of a group of `world` holding one residual per parameter, as committed at `applied`."""
+    named = [(f"p{i}", torch.zeros(2)) for i in range(len(values))]
+    sync = GradSync("topk")
+    sync.regroup(0, world, named, applied)
+    sync.residuals = {p: torch.full((2,), v) for (_, p), v in zip(named, values)}
+    return sync, named
+
+
+def test_a_resize_keeps_each_staying_ranks_share_of_the_unsent_mean():
+    """The mean over ranks carries residual/world of each rank: at 3 ranks instead of 2, a rank's residual is
+    1.5x, so residual/world is unchanged; a joiner has none."""
+    sync, named = residual_sync([2.0, -4.0], world=2)
+    sync.regroup(1, 3, named, applied=5)
+    assert [r.tolist() for r in sync.residuals.values()] == [[3.0, 3.0], [-6.0, -6.0]]
+    sync.regroup(0, 3, named, applied=5)  # same size: unchanged
+    assert sync.residuals[named[0][1]].tolist() == [3.0, 3.0]
+
+
+def test_residuals_of_another_state_are_dropped():
+    sync, named = residual_sync([2.0], world=2, applied=5)
+    sync.loaded(5)  # a state at the step they belong to (a ZeRO-1 re-shard): kept
+    assert sync.residuals
+    sync.regroup(0, 2, named, applied=7)  # the worker trained alone since (no hook, no residuals made)
+    assert sync.residuals == {}
+    sync, named = residual_sync([2.0], world=2, applied=5)
+    sync.loaded(3)  # a peer's state at another step
+    assert sync.residuals == {}
+
+
+def test_a_checkpoints_residuals_go_back_to_their_ranks_or_their_mean_at_another_size():
+    saved = [{"p0": torch.tensor([1.0, 1.0])}, {"p0": torch.tensor([3.0, 5.0])}]
+    for rank, world, expected in [(1, 2, [3.0, 5.0]), (0, 2, [1.0, 1.0]), (2, 3, [2.0, 3.0])]:
+        sync, named = residual_sync([9.0], world=world, applied=1)
+        sync.loaded(12, saved)
+        sync.regroup(rank, world, named, applied=12)
+        assert sync.residuals[named[0][1]].tolist() == expected and sync.held_at == 12
+        assert sync.saved(named)["p0"].tolist() == expected
+
+
+def test_an_outliers_skipped_step_leaves_the_residuals_as_they_were():
+    sync, named = residual_sync([2.0], world=2)
+    sync.begin(5)
+    sync._next = {named[0][1]: torch.full((2,), 7.0)}  # what the hook made of the spike
+    sync.commit(6, sent=False)
+    assert sync.residuals[named[0][1]].tolist() == [2.0, 2.0] and sync.held_at == 6
 
 
 def test_unknown_mode_is_refused():

@@ -17,6 +17,7 @@ from runs import FAST, records, start_driver, wait_for_step
 
 from actors.control import JobError
 from app.api import NAMESPACE
+from app.core.checkpoint import checkpoint_uri, load_latest
 from app.job import new_run_dir, train
 
 STEPS = ["train.steps=24", "checkpoint.every=6"]
@@ -101,3 +102,21 @@ def test_a_worker_lost_beyond_recovery_then_resume_continues_bitwise(make_cfg, r
     train(make_cfg(*FAST, *STEPS, "run.name=worker-killed"), run_dir, resume=True, progress=False)
     assert losses(run_dir) == reference
     assert records(run_dir, "resume")[0]["step"] == 12
+
+
+def test_a_topk_run_resumes_bitwise_with_its_residuals(make_cfg):
+    """Top-k's unsent gradient is part of the state: every rank writes its residuals into full checkpoints and a
+    resume at the same size gives each its own back, so the resumed losses equal the uninterrupted run's bit for bit
+    (without them the first compressed steps after the resume send less, and the losses part)."""
+    topk = [*FAST, *STEPS, "comm.compression=topk", "comm.compress_start=2"]
+    ref_dir = new_run_dir(ref := make_cfg(*topk, "run.name=topk-reference"))
+    train(ref, ref_dir, progress=False)
+    fault = "faults=[{rank: 1, step: 14, kind: kill}]"
+    cfg = make_cfg(*topk, "run.name=topk-killed", "cluster.max_recoveries=0", fault)
+    run_dir = new_run_dir(cfg)
+    with pytest.raises(JobError, match="max_recoveries"):
+        train(cfg, run_dir, progress=False)
+    saved = load_latest(checkpoint_uri(cfg, run_dir))
+    assert saved.meta["step"] == 12 and {"residual-000.pt", "residual-001.pt"} <= set(saved.parts)
+    train(make_cfg(*topk, "run.name=topk-killed"), run_dir, resume=True, progress=False)
+    assert losses(run_dir) == losses(ref_dir)
