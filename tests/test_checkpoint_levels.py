@@ -45,6 +45,20 @@ def test_levels_follow_their_cadences_and_a_light_resume_says_where_its_optimize
     assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 17))
 
 
+def test_a_wall_clock_cadence_saves_between_the_step_cadences_saves(make_cfg):
+    """checkpoint.every_s: with no step cadence (every=0, the final save only), a run that lasts several
+    every_s saves on the way; a save is due once every_s has passed since the last one began."""
+    every_s = 0.3
+    cfg = make_cfg(*FAST, "run.name=clock", "train.steps=30", "checkpoint.every=0", f"checkpoint.every_s={every_s}")
+    run_dir = new_run_dir(cfg)
+    train(cfg, run_dir, progress=False)
+    steps = {r["step"]: r["time"] for r in records(run_dir, "train")}
+    late = [s for s in steps if steps[s] - steps[1] > 2 * every_s]  # the last save began by then
+    assert late, "the run was too short to need a save by the clock"
+    saves = [r["step"] for r in records(run_dir, "checkpoint")]
+    assert saves[-1] == 30 and len(saves) >= 2 and saves[0] <= late[0], (saves, late[0])
+
+
 def test_a_checkpoint_that_cannot_be_written_is_recorded_and_only_the_final_one_fails_the_job(make_cfg, tmp_path):
     """Storage that refuses once the run is going: each save is recorded as failed and training goes on;
     only the final save fails the job. (Storage unwritable from the start stops it at once: the lease.)"""

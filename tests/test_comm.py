@@ -126,6 +126,24 @@ def test_zero1_rolls_back_to_the_checkpoint_when_a_shard_is_lost(make_cfg, refer
     assert all(abs(r["loss"] - expected[r["step"]]) < 1e-3 for r in steps)
 
 
+def test_lamb_with_zero1_trains_as_lamb_without_it_through_a_lost_shard_and_the_lr_restarts(make_cfg):
+    """optim.name=lamb end to end: under ZeRO-1 (whole tensors per rank, so the same trust ratios), through a
+    checkpoint and a rollback after a rank is lost with its shard, every step's loss is the unsharded run's; the lr
+    follows cosine_restarts (warm-up 2, cycles of 4 then 8 steps)."""
+    lamb = ["train.steps=14", "optim.name=lamb", "optim.schedule=cosine_restarts", "optim.warmup_steps=2"]
+    lamb += ["optim.t_0=4", "optim.t_mult=2"]
+    plain = records(run(make_cfg, "lamb", *lamb), "train")
+    lost = "faults=[{rank: 1, step: 9}]"
+    sharded_dir = run(make_cfg, "lamb-zero", *lamb, "comm.zero=true", "checkpoint.every=6", lost)
+    sharded = records(sharded_dir, "train")
+    assert records(sharded_dir, "rollback")[0]["step"] == 6
+    assert [r["loss"] for r in sharded] == [r["loss"] for r in plain] and plain[-1]["loss"] < 0.8 * plain[0]["loss"]
+    optim = make_cfg(*lamb).optim
+    assert [r["lr"] for r in plain] == pytest.approx([optim.lr * lr_factor(r["step"] - 1, optim, 14) for r in plain])
+    rising = [r["step"] for a, r in zip(plain, plain[1:]) if r["lr"] > a["lr"]]
+    assert rising == [2, 7]  # the warm-up's second step, then the second cycle's start (steps are 1-based)
+
+
 def test_parameter_server_mode_bounds_staleness_and_resumes(make_cfg):
     slow = "faults=[{rank: 1, step: 2, kind: slow, factor: 4}]"
     ps = [

@@ -29,6 +29,20 @@ def test_levels_follow_their_cadences(tmp_path):
     s.close()
 
 
+def test_a_full_checkpoint_is_due_by_the_clock_as_well_as_by_steps(tmp_path):
+    now = [100.0]
+    cfg = load_config("tiny", ["train.steps=100", "checkpoint.every=50", "checkpoint.every_s=60"])
+    s = Saver(cfg, str(tmp_path / "ck"), record=lambda r: None, gather=None, clock=lambda: now[0])
+    assert [s.level(7), s.level(50)] == [None, "full"]
+    now[0] = 159.9
+    assert s.level(8) is None
+    now[0] = 160.0  # a minute since the run began, and no save since
+    assert s.level(9) == "full"
+    s.last_full = 160.0  # what `begin` sets when a full save begins
+    assert s.level(10) is None
+    s.close()
+
+
 def test_no_checkpoint_means_the_start_and_a_rollback_needs_one(tmp_path):
     s = saver(tmp_path)
     point = s.resume_point(load_config("tiny").hash())

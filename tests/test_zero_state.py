@@ -1,5 +1,6 @@
 """ZeRO-1 state saved by parts on a real two-rank gloo group: merged, it is the consolidated state,
-and it loads into a plain AdamW or a fresh ZeRO that then step exactly as the original does.
+and it loads into a plain AdamW or a fresh ZeRO that then step exactly as the original does. LAMB
+under ZeRO-1 steps exactly as unsharded LAMB, and its parts resume a plain LAMB exactly.
 
 The ranks run everything in one spawn (a process start costs seconds) and save what they saw;
 the tests below judge it. An exception in a rank fails the spawn, and so the tests.
@@ -20,12 +21,13 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from actors.zero_state import local_part, merge, param_groups
 from app.core.config import load_config
 from app.core.model import GPT
-from app.core.optim import make_optimizer, make_param_groups, make_scheduler
+from app.core.optim import make_optimizer, make_param_groups, make_scheduler, optimizer_class, optimizer_defaults
 from app.core.ports import free_port
 
 WORLD = 2
 STEPS = 3  # before the state is saved; then one more
 CFG = load_config("tiny")
+LAMB = load_config("tiny", ["optim.name=lamb"]).optim
 
 
 def make_model() -> nn.Module:
@@ -53,6 +55,33 @@ def make_zero(model: nn.Module) -> ZeroRedundancyOptimizer:
 
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def lamb(rank: int) -> dict:
+    """LAMB sharded and not, on the same gradients; then the shards' parts merged into a plain LAMB, one step on."""
+    models = {"zero": make_model(), "plain": make_model(), "resumed": make_model()}
+    zero = ZeroRedundancyOptimizer(
+        make_param_groups(models["zero"], LAMB), optimizer_class=optimizer_class(LAMB), **optimizer_defaults(LAMB)
+    )
+    plain = make_optimizer(models["plain"], LAMB)
+    for step in range(STEPS):
+        for name in ("zero", "plain"):
+            set_grads(models[name], step)
+        zero.step()
+        plain.step()
+    out = {"steps": {k: params_of(models[k]) for k in ("zero", "plain")}}
+    parts = [None] * WORLD
+    dist.all_gather_object(parts, local_part(zero))
+    with torch.no_grad():
+        for p, q in zip(models["resumed"].parameters(), models["zero"].parameters()):
+            p.copy_(q)
+    resumed = make_optimizer(models["resumed"], LAMB)
+    resumed.load_state_dict(merge(parts, param_groups(zero)))
+    for name in ("zero", "resumed"):
+        set_grads(models[name], STEPS)
+    zero.step()
+    resumed.step()
+    return out | {"one_more": {k: params_of(models[k]) for k in ("zero", "resumed")}}
 
 
 def rank_main(rank: int, port: int, out_dir: str) -> None:
@@ -87,7 +116,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
     resumed.load_state_dict(merge(parts, out["groups"]))
     set_grads(fresh, STEPS)
     resumed.step()
-    torch.save({**out, "resumed": params_of(fresh)}, f"{out_dir}/{rank}.pt")
+    torch.save({**out, "resumed": params_of(fresh), "lamb": lamb(rank)}, f"{out_dir}/{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -153,3 +182,13 @@ def test_merge_names_duplicate_and_missing_parameters():
         merge([a, {"owned": [1, 3], "state": {}}], groups)
     with pytest.raises(ValueError, match=r"part 1 has state for parameters it does not own: \[0\]"):
         merge([a, {"owned": [1], "state": {0: {}}}], groups)
+
+
+def test_lamb_under_zero1_steps_as_unsharded_lamb_and_its_parts_resume_it_exactly(ranks):
+    """ZeRO-1 gives each rank whole tensors, so LAMB's per-tensor trust ratio is the unsharded one."""
+    for r in ranks:
+        steps, one_more = r["lamb"]["steps"], r["lamb"]["one_more"]
+        assert any(not torch.equal(steps["zero"][n], make_model().state_dict()[n]) for n in steps["zero"])
+        for name in steps["zero"]:
+            assert torch.equal(steps["zero"][name], steps["plain"][name]), name
+            assert torch.equal(one_more["zero"][name], one_more["resumed"][name]), name

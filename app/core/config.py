@@ -205,9 +205,21 @@ class TrainConfig(Section):
 
 
 class OptimConfig(Section):
+    name: Literal["adamw", "lamb"] = Field(
+        "adamw",
+        description="adamw: torch's; lamb: pytorch-optimizer's LAMB (Adam's step scaled per tensor by the trust "
+        "ratio |w| / |step|, for large global batches)",
+    )
     lr: float = Field(3e-3, gt=0)
     min_lr: float = Field(3e-4, ge=0)
     warmup_steps: int = Field(20, ge=0)
+    schedule: Literal["cosine", "cosine_restarts"] = Field(
+        "cosine",
+        description="after the linear warm-up: cosine: one decay to min_lr over the run; cosine_restarts: torch's "
+        "CosineAnnealingWarmRestarts (cycles of t_0 steps, each t_mult times the last, back to lr at each start)",
+    )
+    t_0: int = Field(100, ge=1, description="cosine_restarts: steps of the first cycle")
+    t_mult: int = Field(1, ge=1, description="cosine_restarts: each cycle is this many times longer than the last")
     weight_decay: float = Field(0.1, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
@@ -278,6 +290,12 @@ class CheckpointConfig(Section):
     )
     uri: str | None = Field(None, description="directory or URI; default RUN_DIR/checkpoints")
     keep: int = Field(3, ge=1, description="full checkpoints kept (and as many light ones after the newest)")
+    every_s: float = Field(
+        0,
+        ge=0,
+        description="also a full checkpoint once this many seconds have passed since the last one began (a wall-clock "
+        "cadence beside `every`, for steps of uneven length); 0 = none",
+    )
 
 
 class ClusterConfig(Section):
@@ -472,6 +490,8 @@ class Config(Section):
             f"comm.compression={self.comm.compression}": self.comm.compression != "none",
             "train.precision=fp16": self.train.precision == "fp16",
             "train.batch_scaling=linear": self.train.batch_scaling == "linear",
+            # its trust ratio needs each tensor's whole norm, and a laid-out rank holds a slice of some
+            "optim.name=lamb": self.optim.name == "lamb",
         }
         refused = [name for name, used in unsupported.items() if used]
         if refused:

@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on matrices only, and warmup + cosine LR."""
+"""The optimizer (AdamW, or LAMB for large batches) with decoupled weight decay on matrices only, and the lr
+schedule: a linear warm-up, then one cosine decay or cosine cycles with warm restarts."""
 
 from __future__ import annotations
 
@@ -11,8 +12,24 @@ from torch import nn
 from app.core.config import OptimConfig
 
 
-def make_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(make_param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+def make_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    return optimizer_class(cfg)(make_param_groups(model, cfg), **optimizer_defaults(cfg))
+
+
+def optimizer_class(cfg: OptimConfig) -> type[torch.optim.Optimizer]:
+    if cfg.name == "lamb":
+        from pytorch_optimizer import Lamb  # ~0.5 s to import: optim.name=lamb only
+
+        return Lamb
+    return torch.optim.AdamW
+
+
+def optimizer_defaults(cfg: OptimConfig) -> dict:
+    """What the optimizer is built with besides its param groups (ZeRO-1 passes the same to each shard's)."""
+    defaults = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
+    # LAMB: decoupled decay as AdamW's; no gradient rescaling of its own (train.grad_clip clips), and no foreach path:
+    # it stacks the step's per-tensor norms, which a ZeRO-1 shard's empty group could not
+    return defaults | ({"max_grad_norm": 0.0, "foreach": False} if cfg.name == "lamb" else {})
 
 
 def make_param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
@@ -25,13 +42,28 @@ def make_param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Multiplier of cfg.lr at `step`: linear warmup, then cosine down to min_lr."""
+    """Multiplier of cfg.lr at `step`: linear warmup, then cosine down to min_lr, once or in cycles."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
+    floor = cfg.min_lr / cfg.lr
+    if cfg.schedule == "cosine_restarts":
+        t_cur, t_i = restart_position(step - cfg.warmup_steps, cfg.t_0, cfg.t_mult)
+        return floor + (1 - floor) * (1 + math.cos(math.pi * t_cur / t_i)) / 2
     span = max(1, total_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.min_lr / cfg.lr
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def restart_position(steps: int, t_0: int, t_mult: int) -> tuple[int, int]:
+    """(steps into the current cycle, its length) `steps` after the warm-up: what torch's
+    CosineAnnealingWarmRestarts holds as T_cur and T_i after as many step() calls. In integers: torch's
+    closed form for step(epoch) takes a float log, which lands a step early or late at some cycles' edges."""
+    if t_mult == 1:
+        return steps % t_0, t_0
+    t_i = t_0
+    while steps >= t_i:
+        steps, t_i = steps - t_i, t_i * t_mult
+    return steps, t_i
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
