@@ -36,11 +36,13 @@ from app.core.checkpoint import (
     LIGHT,
     deserialize,
     light_weights,
+    model_weights,
     serialize,
     tensor_hash,
     write_part,
 )
 from app.core.config import Config
+from app.core.finetune import build_model, load_trained_state, trained_state
 from app.core.flops import peak_flops
 from app.core.model import GPT
 from app.core.optim import make_optimizer, make_param_groups, make_scheduler, optimizer_class, optimizer_defaults
@@ -62,8 +64,7 @@ class TrainWorker:
         if cfg.train.deterministic:  # cuBLAS needs its workspace fixed before CUDA starts
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
-        torch.manual_seed(cfg.train.seed)  # same initial weights on every worker
-        self.model = GPT(cfg.model).to(self.device)
+        self.model = build_model(cfg).to(self.device)  # the same on every worker: seeded, or a base's (+ adapters)
         self.optimizer = make_optimizer(self.model, cfg.optim)
         self.sharded = False  # the optimizer is ZeRO-1's, holding this rank's shard of the state
         self.scheduler = make_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
@@ -509,7 +510,7 @@ class TrainWorker:
                 return None
         data = serialize(
             {
-                "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+                "model": {k: v.cpu() for k, v in trained_state(self.model).items()},
                 "optimizer": _snapshot(self.optimizer.state_dict()),
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
@@ -537,7 +538,7 @@ class TrainWorker:
             if not background:
                 wait([self._saving])
             return
-        weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()} if lead else None
+        weights = {k: v.to("cpu", copy=True) for k, v in trained_state(self.model).items()} if lead else None
         if level == "full":
             if self.sharded:
                 parts[f"optim-{max(self.rank, 0):03d}.pt"] = zero_state.local_part(self.optimizer)
@@ -603,7 +604,7 @@ class TrainWorker:
             self.sync.loaded(step, state.get("residuals"))
             if self.world > 1:  # in a group already (a resume, a rollback): this rank's now
                 self.sync.regroup(self.rank, self.world, list(self.model.named_parameters()), step)
-        self.model.load_state_dict(state["model"])
+        load_trained_state(self.model, state["model"])
         self.scheduler.load_state_dict(state["scheduler"])
         self._unshard_optimizer(state["optimizer"])
         self._schedule_at(step)
@@ -629,7 +630,7 @@ class TrainWorker:
 
     def flat_grad(self) -> torch.Tensor:
         """The synchronised gradient of the last step (for the gradient-equality check)."""
-        return torch.cat([p.grad.detach().flatten().cpu() for p in self.model.parameters()])
+        return torch.cat([p.grad.detach().flatten().cpu() for p in self.model.parameters() if p.requires_grad])
 
     def _leave_broken_replica(self, error: Exception) -> None:
         """A rank whose replica lost a rank in its forward or backward exits. Its replica is out of the group
@@ -695,9 +696,7 @@ def spawn(cfg: Config, manifest: str, count: int) -> list:
 
 def _assemble(parts: dict[str, bytes]) -> dict:
     """A checkpoint's parts as one state: a light checkpoint's weights over its base's, ZeRO-1 shards merged."""
-    model = deserialize(parts["model.pt"])
-    if LIGHT in parts:
-        model |= {k: v.to(model[k].dtype) for k, v in deserialize(parts[LIGHT]).items()}
+    model = model_weights(parts)
     if "optim.pt" in parts:
         optimizer = deserialize(parts["optim.pt"])
     else:

@@ -32,10 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"etrain: error: {e}", file=sys.stderr)
         return 2
     except Failure as e:  # raised in an actor: its own message, not Ray's traceback
-        print(
-            f"etrain: {'training failed' if args.func is cmd_train else 'error'}: {getattr(e, 'cause', e)}",
-            file=sys.stderr,
-        )
+        what = "training failed" if args.func in (cmd_train, cmd_finetune) else "error"
+        print(f"etrain: {what}: {getattr(e, 'cause', e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"etrain: interrupted{getattr(args, 'resume_hint', '')}", file=sys.stderr)
@@ -68,7 +66,7 @@ def _log_traceback(error: BaseException, path: Path | None) -> Path:
 
 def cmd_train(args, started_at: float) -> int:
     from app.core.config import ConfigError, load_config
-    from app.job import durable, new_run_dir, train
+    from app.job import durable, new_run_dir
 
     if args.resume and args.config:
         raise ConfigError("--resume takes the run's own config.yaml; drop --config (use --set for resumable keys)")
@@ -78,6 +76,21 @@ def cmd_train(args, started_at: float) -> int:
     else:
         cfg = load_config(args.config, args.set)
         run_dir = new_run_dir(cfg)
+    return _train(args, cfg, run_dir, started_at)
+
+
+def cmd_finetune(args, started_at: float) -> int:
+    from app.core.finetune import finetune_config
+    from app.job import new_run_dir
+
+    cfg = finetune_config(args.source, args.config, args.set)
+    print(f"base: {cfg.finetune.base}", file=sys.stderr)
+    return _train(args, cfg, new_run_dir(cfg), started_at)
+
+
+def _train(args, cfg, run_dir: Path, started_at: float) -> int:
+    from app.job import train
+
     args.log_file = run_dir / "driver.log"
     args.resume_hint = f"; resume with `etrain train --resume {run_dir}`"
     print(f"run directory: {run_dir}", file=sys.stderr)
@@ -85,7 +98,7 @@ def cmd_train(args, started_at: float) -> int:
         summary = train(
             cfg,
             run_dir,
-            resume=bool(args.resume),
+            resume=bool(getattr(args, "resume", None)),
             started_at=started_at,
             progress=not args.no_progress,
             log_every=args.log_every,
@@ -342,6 +355,14 @@ def cmd_tune(args, started_at: float) -> int:
     return 0
 
 
+def cmd_export(args, started_at: float) -> int:
+    from app.export import export
+
+    written = export(Path(args.run).expanduser().resolve(), Path(args.out).expanduser().resolve(), args.merge)
+    print(json.dumps(written, indent=1))
+    return 0
+
+
 def cmd_config(args, started_at: float) -> int:
     from app.core.config import load_config
 
@@ -438,6 +459,42 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="off a terminal (job logs): one progress line per interval",
     )
+
+    p = command(
+        "finetune",
+        cmd_finetune,
+        "fine-tune a trained model: LoRA adapters on it (the default) or all its weights; resume with etrain train",
+        "etrain finetune --from runs/base --set data.source=corpus/ --set train.steps=200",
+        "etrain finetune --from runs/base/checkpoints/step-00000500 --config ft.yaml --set finetune.lora.rank=4",
+        "etrain finetune --from runs/base --set finetune.method=full --set optim.lr=3e-4",
+    )
+    with_config(p)
+    p.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="RUN_OR_CHECKPOINT",
+        help="a run directory (its latest checkpoint; its config, unless --config), a checkpoint directory, or one "
+        "checkpoint (step-N)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines (events only)")
+    p.add_argument(
+        "--log-every",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="off a terminal (job logs): one progress line per interval",
+    )
+
+    p = command(
+        "export",
+        cmd_export,
+        "write a run's trained weights as a plain model (a LoRA run's adapters merged into its base)",
+        "etrain export runs/lora --merge --out models/lora-merged",
+    )
+    p.add_argument("run", metavar="RUN_DIR", help="the run whose latest committed checkpoint is exported")
+    p.add_argument("--out", required=True, help="a new or empty directory: config.yaml and checkpoints/")
+    p.add_argument("--merge", action="store_true", help="fold a LoRA run's adapters into its base's weights")
 
     p = command(
         "prepare",

@@ -174,17 +174,47 @@ def load_latest(uri: str) -> Checkpoint | None:
         if meta is None:
             continue
         try:
-            if meta["level"] == "full":
-                return Checkpoint(fs.unstrip_protocol(path), meta, _read_parts(fs, path, meta))
-            base = posixpath.join(root, meta["base"])
-            base_meta = _read_commit(fs, base)
-            if base_meta is None:
-                raise CheckpointError(f"its base {meta['base']} is gone or uncommitted")
-            parts = _read_parts(fs, base, base_meta) | {LIGHT: _read_parts(fs, path, meta)["model.pt"]}
-            return Checkpoint(fs.unstrip_protocol(path), meta, parts, base=fs.unstrip_protocol(base))
+            return _load(fs, path, meta)
         except CheckpointError as e:
             log.warning("skipping checkpoint %s: %s; falling back to an earlier one", path, e)
     return None
+
+
+def load_at(uri: str) -> Checkpoint:
+    """The committed checkpoint in the step directory `uri`, verified; CheckpointError if it is not one."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    fs.invalidate_cache(posixpath.dirname(path.rstrip("/")))
+    meta = _read_commit(fs, path, quiet=True)
+    if meta is None:
+        raise CheckpointError(f"{uri} holds no committed checkpoint ({COMMIT} missing or unreadable)")
+    return _load(fs, path, meta)
+
+
+def _load(fs, path: str, meta: dict) -> Checkpoint:
+    if meta["level"] == "full":
+        return Checkpoint(fs.unstrip_protocol(path), meta, _read_parts(fs, path, meta))
+    base = posixpath.join(posixpath.dirname(path.rstrip("/")), meta["base"])
+    base_meta = _read_commit(fs, base)
+    if base_meta is None:
+        raise CheckpointError(f"its base {meta['base']} is gone or uncommitted")
+    parts = _read_parts(fs, base, base_meta) | {LIGHT: _read_parts(fs, path, meta)["model.pt"]}
+    return Checkpoint(fs.unstrip_protocol(path), meta, parts, base=fs.unstrip_protocol(base))
+
+
+def model_weights(parts: dict[str, bytes]) -> dict:
+    """A checkpoint's model weights: its model.pt, with a light checkpoint's changed tensors over its base's."""
+    model = deserialize(parts["model.pt"])
+    if LIGHT in parts:
+        model |= {k: v.to(model[k].dtype) for k, v in deserialize(parts[LIGHT]).items()}
+    return model
+
+
+def weights_digest(state: dict) -> str:
+    """sha256 over the weights' names and contents: the identity of a fine-tuning run's base, whatever file holds it."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(f"{name}:{tensor_hash(state[name].detach().cpu())};".encode())
+    return h.hexdigest()
 
 
 def retain(uri: str, keep: int) -> None:

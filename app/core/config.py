@@ -7,6 +7,7 @@ run can always be reproduced or resumed from what it wrote.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import hashlib
 import json
@@ -363,6 +364,45 @@ class Fault(Section):
     )
 
 
+class LoraConfig(Section):
+    rank: int = Field(8, ge=1, description="rank of each adapter's update B A")
+    alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    targets: list[str] = Field(
+        ["attn.q", "attn.k", "attn.v", "attn.proj"],
+        min_length=1,
+        description="linear layers that get adapters, by name or its end: attn.q, attn.k, attn.v, attn.proj, mlp.0, "
+        "mlp.2 (in every block), blocks.0.attn.q (one), head",
+    )
+
+
+class FinetuneConfig(Section):
+    """Training that starts from a trained model (`etrain finetune --from`): its weights, then LoRA adapters on them
+    (only the adapters train) or all of them."""
+
+    base: str | None = Field(None, description="the checkpoint the run starts from (set by etrain finetune)")
+    base_digest: str | None = Field(
+        None,
+        description="sha256 over the base's weights, taken when the run was made: a base that no longer matches "
+        "is refused",
+    )
+    method: Literal["lora", "full"] = Field("lora", description="lora: adapters only; full: every weight trains")
+    lora: LoraConfig = LoraConfig()
+
+    @model_validator(mode="after")
+    def _digest_with_base(self) -> FinetuneConfig:
+        if self.base is not None and self.base_digest is None:
+            raise ValueError(
+                "finetune.base needs finetune.base_digest; start fine-tuning runs with `etrain finetune --from`, "
+                "which records it"
+            )
+        return self
+
+    @property
+    def lora_on(self) -> bool:
+        return self.base is not None and self.method == "lora"
+
+
 class RunConfig(Section):
     root: str = Field("runs", description="parent directory of run directories")
     name: str | None = Field(None, description="run directory name; default a timestamp")
@@ -379,6 +419,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     cluster: ClusterConfig = ClusterConfig()
     parallel: ParallelConfig = ParallelConfig()
+    finetune: FinetuneConfig = FinetuneConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     run: RunConfig = RunConfig()
     faults: list[Fault] = Field([], description="injected failures (testing); see Fault")
@@ -419,6 +460,16 @@ class Config(Section):
             raise ValueError(
                 "comm.mode=ps sends whole gradients to the parameter servers: comm.zero and comm.compression apply to "
                 "allreduce only"
+            )
+        if self.comm.mode == "ps" and self.finetune.lora_on:
+            raise ValueError(
+                "finetune.method=lora trains adapters on frozen weights; comm.mode=ps shards every weight: use "
+                "comm.mode=allreduce"
+            )
+        if self.finetune.lora_on and self.model.tie_weights and "head" in self.finetune.lora.targets:
+            raise ValueError(
+                "finetune.lora.targets has head, whose weight is the embedding's (model.tie_weights): an adapter "
+                "there would untie them when merged; leave head out"
             )
         if self.comm.mode == "ps" and self.train.deterministic:
             raise ValueError(
@@ -492,6 +543,7 @@ class Config(Section):
             "train.batch_scaling=linear": self.train.batch_scaling == "linear",
             # its trust ratio needs each tensor's whole norm, and a laid-out rank holds a slice of some
             "optim.name=lamb": self.optim.name == "lamb",
+            "finetune.method=lora": self.finetune.lora_on,
         }
         refused = [name for name, used in unsupported.items() if used]
         if refused:
@@ -528,9 +580,9 @@ class Config(Section):
         return yaml.safe_dump(self.model_dump(), sort_keys=False)
 
 
-def load_config(config: str | None = None, overrides: list[str] = ()) -> Config:
-    """Preset name or YAML file, then `a.b=value` overrides, then validation."""
-    raw = _read_yaml(resolve_preset(config)) if config else {}
+def load_config(config: str | dict | None = None, overrides: list[str] = ()) -> Config:
+    """Preset name, YAML file or a config's raw dict, then `a.b=value` overrides, then validation."""
+    raw = copy.deepcopy(config) if isinstance(config, dict) else _read_yaml(resolve_preset(config)) if config else {}
     for item in overrides:
         key, value = _parse_override(item)
         _set_path(raw, key, value)

@@ -33,8 +33,9 @@ def optimizer_defaults(cfg: OptimConfig) -> dict:
 
 
 def make_param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
-    # Norm gains and biases are not decayed: shrinking them only hurts (nanoGPT, GPT-2).
-    params = list(model.parameters())
+    # Norm gains and biases are not decayed: shrinking them only hurts (nanoGPT, GPT-2). Frozen weights (a LoRA
+    # run's base) have no optimizer state at all.
+    params = [p for p in model.parameters() if p.requires_grad]
     return [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},

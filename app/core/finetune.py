@@ -1,0 +1,135 @@
+"""The model a run trains: a fresh GPT (pre-training), or a base checkpoint's weights, verified against the digest
+the run recorded, with LoRA adapters on them (finetune.method=lora) or all of them trainable (full); and the part of
+its state that checkpoints and peers carry (for LoRA, the adapters alone)."""
+
+from __future__ import annotations
+
+import posixpath
+from pathlib import Path
+
+import fsspec
+import torch
+import yaml
+from torch import nn
+
+from app.core import checkpoint
+from app.core.config import Config, ConfigError, FinetuneConfig, load_config, override, validate
+from app.core.lora import adapters, add_adapters
+from app.core.model import GPT
+from app.core.storage import STORAGE_ERRORS, describe
+
+
+def build_model(cfg: Config) -> GPT:
+    """Weights as every worker must start them: the same seed, the same base, the same adapters' init."""
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model)
+    ft = cfg.finetune
+    if ft.base is None:
+        return model
+    load_base(model, ft)
+    if ft.method == "lora":
+        add_adapters(model, ft.lora)
+    return model
+
+
+def base_weights(ft: FinetuneConfig) -> dict[str, torch.Tensor]:
+    """The base checkpoint's weights, refused (ConfigError) if missing, unreadable or not the ones recorded."""
+    try:
+        ckpt = checkpoint.load_at(ft.base)
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(f"finetune.base: {e}") from None
+    except STORAGE_ERRORS as e:
+        raise ConfigError(f"finetune.base {ft.base} cannot be read: {describe(e)}") from None
+    weights = checkpoint.model_weights(ckpt.parts)
+    digest = checkpoint.weights_digest(weights)
+    if ft.base_digest is not None and digest != ft.base_digest:
+        raise ConfigError(
+            f"finetune.base {ft.base} is not the checkpoint this run was made from: its weights' sha256 is "
+            f"{digest[:16]}, the run recorded {ft.base_digest[:16]}; put that checkpoint back, or start a new "
+            "fine-tuning run from this one with `etrain finetune --from`"
+        )
+    return weights
+
+
+def load_base(model: GPT, ft: FinetuneConfig) -> None:
+    weights = base_weights(ft)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:  # missing, unexpected or mis-shaped tensors: another model shape
+        first = str(e).splitlines()[1:2] or [str(e)]
+        raise ConfigError(
+            f"finetune.base {ft.base} holds weights of another model shape ({first[0].strip()}); the run's model "
+            "section must be the base run's"
+        ) from None
+
+
+def trained_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint or a peer carries of the weights: the adapters of a LoRA model (the base is in its own
+    checkpoint), else every weight."""
+    state = adapters(model) or model.state_dict()
+    return {k: v.detach() for k, v in state.items()}
+
+
+def load_trained_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    ours = adapters(model)
+    if not ours:
+        model.load_state_dict(state)
+        return
+    if set(state) != set(ours):
+        raise ValueError(
+            f"a LoRA run's state holds its adapters ({len(ours)} tensors); this one holds {len(state)}, "
+            f"e.g. {sorted(set(state) ^ set(ours))[:3]}"
+        )
+    with torch.no_grad():
+        for name, value in state.items():
+            ours[name].copy_(value)
+
+
+def resolve_base(source: str) -> tuple[str, str, Config | None]:
+    """`etrain finetune --from`: a run directory (its latest committed checkpoint), a checkpoint directory (its
+    latest), or one checkpoint's step directory. Its URI, its weights' digest, and the config of the run that made
+    it when there is one (the fine-tuning run takes its model section)."""
+    if "://" not in source:
+        source = str(Path(source).expanduser().resolve())
+    fs, path = fsspec.core.url_to_fs(source)
+    try:
+        if fs.isfile(posixpath.join(path, "config.yaml")):  # a run directory
+            run_cfg = validate(yaml.safe_load(fs.cat_file(posixpath.join(path, "config.yaml"))))
+            ckpt = checkpoint.load_latest(checkpoint.checkpoint_uri(run_cfg, source))
+            if ckpt is None:
+                raise ConfigError(f"--from {source}: the run has no committed checkpoint yet")
+        elif fs.isfile(posixpath.join(path, checkpoint.COMMIT)):  # one checkpoint
+            ckpt, run_cfg = checkpoint.load_at(source), None
+        else:
+            ckpt, run_cfg = checkpoint.load_latest(source), None
+            if ckpt is None:
+                raise ConfigError(
+                    f"--from {source} is not a run directory (config.yaml), a directory of checkpoints with a "
+                    f"committed one (step-*/{checkpoint.COMMIT}), or a checkpoint"
+                )
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(f"--from {source}: {e}") from None
+    except STORAGE_ERRORS as e:
+        raise ConfigError(f"--from {source} cannot be read: {describe(e)}") from None
+    digest = checkpoint.weights_digest(checkpoint.model_weights(ckpt.parts))
+    return ckpt.path, digest, run_cfg
+
+
+def finetune_config(source: str, config: str | None, overrides: list[str]) -> Config:
+    """A fine-tuning run's config: `config`, or else the base run's own (its data, optimizer, cluster ...; not its
+    name, checkpoint location or faults), with `overrides`. The model is the base's either way."""
+    if any(item.partition("=")[0].strip().startswith("finetune.base") for item in overrides):
+        raise ConfigError("finetune.base is where --from points: give the run or checkpoint with --from")
+    base, digest, base_cfg = resolve_base(source)
+    start: str | dict | None = config
+    if config is None and base_cfg is not None:
+        raw = base_cfg.model_dump()
+        raw |= {"faults": [], "finetune": {}}
+        raw["run"]["name"] = raw["checkpoint"]["uri"] = None
+        start = raw
+    cfg = load_config(start, overrides)
+    if base_cfg is not None and cfg.model != base_cfg.model:
+        ours, theirs = cfg.model.model_dump(), base_cfg.model.model_dump()
+        differ = ", ".join(f"model.{k}={ours[k]} (the base's: {theirs[k]})" for k in ours if ours[k] != theirs[k])
+        raise ConfigError(f"{differ}: a fine-tuning run trains its base's model; leave the model section out")
+    return override(cfg, {"finetune.base": base, "finetune.base_digest": digest})

@@ -1,0 +1,44 @@
+"""`etrain export`: a run's trained model as plain GPT weights in a directory laid out as a run's (config.yaml and
+checkpoints/), so `etrain finetune --from` takes it as a base, and torch.load(weights_only=True) reads its
+model.pt. A LoRA run's adapters are merged into its base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from app.core import checkpoint
+from app.core.config import ConfigError, override, validate
+from app.core.errors import UsageError
+from app.core.finetune import build_model, load_trained_state
+from app.core.lora import merged_state
+
+
+def export(run_dir: Path, out: Path, merge: bool) -> dict:
+    """Write the run's latest committed weights under `out` (new or empty). What was written, as a dict."""
+    import yaml
+
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give the directory a run printed")
+    cfg = validate(yaml.safe_load(saved.read_text()))
+    if cfg.finetune.lora_on and not merge:
+        raise UsageError(
+            f"{run_dir} is a LoRA run: its checkpoints hold only adapters; add --merge to write them merged into "
+            "its base as plain weights"
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out} exists and is not an empty directory; name a new one (nothing is overwritten)")
+    ckpt = checkpoint.load_latest(checkpoint.checkpoint_uri(cfg, run_dir))
+    if ckpt is None:
+        raise ConfigError(f"{run_dir} has no committed checkpoint to export yet")
+    model = build_model(cfg)
+    load_trained_state(model, checkpoint.model_weights(ckpt.parts))
+    state = merged_state(model) if cfg.finetune.lora_on else model.state_dict()
+    # a plain model's config: no base, its checkpoints beside it
+    plain = override(cfg, {"finetune.base": None, "finetune.base_digest": None, "checkpoint.uri": None, "faults": []})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(plain.to_yaml())
+    step = ckpt.meta["step"]
+    meta = {"config_hash": plain.hash(), "cursor": 0, "exported_from": str(run_dir), "merged": cfg.finetune.lora_on}
+    path = checkpoint.save(str(out / "checkpoints"), step, {"model.pt": state}, meta, keep=1)
+    return {"out": str(out), "checkpoint": path, "step": step, "merged": cfg.finetune.lora_on, "tensors": len(state)}

@@ -1,0 +1,147 @@
+"""LoRA on our GPT without Ray: adapters start as the base, train alone, and merge into plain weights that give the
+same logits; a fine-tuning run's base is found, verified and refused by name when it changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.cli import main
+from app.core import checkpoint
+from app.core.config import ConfigError, load_config, override
+from app.core.finetune import (
+    base_weights,
+    build_model,
+    finetune_config,
+    load_trained_state,
+    trained_state,
+)
+from app.core.lora import LoRALinear, add_adapters, merged_state
+from app.core.model import GPT
+from app.core.optim import make_optimizer
+
+pytestmark = pytest.mark.unit
+
+CFG = load_config("tiny")
+TOKENS = torch.randint(0, CFG.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+
+
+def base_model() -> GPT:
+    torch.manual_seed(1)
+    return GPT(CFG.model).eval()
+
+
+def trained_lora(targets=("attn.q", "attn.v", "mlp.0")) -> GPT:
+    """Adapters that have trained a few steps: B no longer zero."""
+    model = base_model()
+    lora = CFG.finetune.lora.model_copy(update={"targets": list(targets), "rank": 4})
+    add_adapters(model, lora)
+    opt = make_optimizer(model, CFG.optim)
+    for _ in range(3):
+        opt.zero_grad()
+        model(TOKENS[:, :-1], TOKENS[:, 1:])[1].backward()
+        opt.step()
+    return model.eval()
+
+
+def test_adapters_start_as_the_base_and_only_they_train():
+    model, base = base_model(), base_model()
+    names = add_adapters(model, CFG.finetune.lora)
+    assert names == [f"blocks.{i}.attn.{x}" for i in range(CFG.model.n_layer) for x in ("q", "k", "v", "proj")]
+    with torch.no_grad():
+        assert torch.equal(model.logits(TOKENS), base.logits(TOKENS))  # B is zero
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable == [f"{n}.{a}" for n in names for a in ("lora_a", "lora_b")]
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    opt = make_optimizer(model, CFG.optim)
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(trainable)
+    model.train()
+    model(TOKENS[:, :-1], TOKENS[:, 1:])[1].backward()
+    opt.step()
+    changed = sorted(n for n, t in model.state_dict().items() if not torch.equal(t, before[n]))
+    assert changed == sorted(trainable)
+
+
+def test_merged_weights_give_the_adapted_models_logits():
+    model = trained_lora()
+    assert any(m.lora_b.abs().sum() > 0 for m in model.modules() if isinstance(m, LoRALinear))
+    plain = GPT(CFG.model).eval()
+    plain.load_state_dict(merged_state(model))  # strict: exactly the plain model's tensors
+    with torch.no_grad():
+        torch.testing.assert_close(plain.logits(TOKENS), model.logits(TOKENS), rtol=0, atol=1e-5)
+        base = base_model()
+        assert not torch.allclose(plain.logits(TOKENS), base.logits(TOKENS), atol=1e-4)  # it did learn something
+    untouched = [n for n in plain.state_dict() if not n.endswith(("attn.q.weight", "attn.v.weight", "mlp.0.weight"))]
+    assert all(torch.equal(plain.state_dict()[n], base.state_dict()[n]) for n in untouched)
+
+
+def test_a_target_that_names_no_linear_layer_is_refused_with_the_ones_there_are():
+    lora = CFG.finetune.lora.model_copy(update={"targets": ["attn.qkv"]})
+    with pytest.raises(ValueError, match=r"\['attn.qkv'\] name no linear layer.*'attn.q'.*'mlp.0'"):
+        add_adapters(base_model(), lora)
+
+
+def test_a_lora_models_state_is_its_adapters_and_a_whole_model_state_is_refused():
+    model = trained_lora()
+    state = trained_state(model)
+    assert state and all(n.endswith(("lora_a", "lora_b")) for n in state)
+    other = trained_lora()
+    with torch.no_grad():
+        for p in other.parameters():
+            if p.requires_grad:
+                p.zero_()
+    load_trained_state(other, {k: v.clone() for k, v in state.items()})
+    assert all(torch.equal(trained_state(other)[k], v) for k, v in state.items())
+    with pytest.raises(ValueError, match="a LoRA run's state holds its adapters"):
+        load_trained_state(other, base_model().state_dict())
+
+
+@pytest.fixture
+def base_run(tmp_path):
+    """A run directory as `etrain train` leaves one: config.yaml and a committed checkpoint of the weights."""
+    run = tmp_path / "base"
+    run.mkdir()
+    (run / "config.yaml").write_text(override(CFG, {"train.steps": 7, "run.name": "base"}).to_yaml())
+    checkpoint.save(str(run / "checkpoints"), 7, {"model.pt": base_model().state_dict()}, {"cursor": 0}, keep=3)
+    return run
+
+
+def test_finetune_takes_the_base_runs_config_and_model_and_records_the_bases_digest(base_run):
+    cfg = finetune_config(str(base_run), None, ["train.steps=3", "finetune.lora.rank=2"])
+    assert cfg.finetune.base.endswith("checkpoints/step-00000007") and cfg.finetune.lora_on
+    assert cfg.finetune.base_digest == checkpoint.weights_digest(base_model().state_dict())
+    assert (cfg.train.steps, cfg.finetune.lora.rank, cfg.run.name, cfg.model) == (3, 2, None, CFG.model)
+    model, base = build_model(cfg), base_model()
+    with torch.no_grad():
+        assert torch.equal(model.eval().logits(TOKENS), base.logits(TOKENS))
+    same = finetune_config(str(base_run / "checkpoints" / "step-00000007"), "tiny", [])
+    assert same.finetune.base == cfg.finetune.base and same.finetune.base_digest == cfg.finetune.base_digest
+    with pytest.raises(ConfigError, match=r"model.d_model=64 \(the base's: 128\).*leave the model section out"):
+        finetune_config(str(base_run), None, ["model.d_model=64"])
+    with pytest.raises(ConfigError, match="finetune.base is where --from points"):
+        finetune_config(str(base_run), None, ["finetune.base=/elsewhere"])
+    with pytest.raises(ConfigError, match="is not a run directory"):
+        finetune_config(str(base_run / "nothing"), None, [])
+
+
+def test_a_base_that_changed_is_refused_by_its_digest(base_run):
+    cfg = finetune_config(str(base_run), None, [])
+    step = base_run / "checkpoints" / "step-00000007"
+    other = base_model().state_dict()
+    other["norm.weight"] = other["norm.weight"] + 1
+    for f in step.iterdir():
+        f.unlink()
+    step.rmdir()
+    checkpoint.save(str(base_run / "checkpoints"), 7, {"model.pt": other}, {"cursor": 0}, keep=3)
+    with pytest.raises(ConfigError, match="is not the checkpoint this run was made from: its weights' sha256"):
+        base_weights(cfg.finetune)
+
+
+def test_cli_refuses_a_missing_base_and_an_unmerged_export_of_a_lora_run(base_run, tmp_path, capsys):
+    assert main(["finetune", "--from", str(tmp_path / "missing")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+    lora_run = tmp_path / "lora"
+    lora_run.mkdir()
+    (lora_run / "config.yaml").write_text(finetune_config(str(base_run), None, []).to_yaml())
+    assert main(["export", str(lora_run), "--out", str(tmp_path / "out")]) == 2
+    assert "add --merge" in capsys.readouterr().err and not (tmp_path / "out").exists()
