@@ -442,6 +442,16 @@ def _parser() -> argparse.ArgumentParser:
             help="override a config key, e.g. train.steps=100 (repeatable)",
         )
 
+    def with_progress(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines (events only)")
+        p.add_argument(
+            "--log-every",
+            type=float,
+            default=30.0,
+            metavar="SECONDS",
+            help="off a terminal (job logs): one progress line per interval",
+        )
+
     p = command(
         "train",
         cmd_train,
@@ -451,14 +461,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     with_config(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest committed checkpoint")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines (events only)")
-    p.add_argument(
-        "--log-every",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="off a terminal (job logs): one progress line per interval",
-    )
+    with_progress(p)
 
     p = command(
         "finetune",
@@ -477,14 +480,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a run directory (its latest checkpoint; its config, unless --config), a checkpoint directory, or one "
         "checkpoint (step-N)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines (events only)")
-    p.add_argument(
-        "--log-every",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="off a terminal (job logs): one progress line per interval",
-    )
+    with_progress(p)
 
     p = command(
         "export",
