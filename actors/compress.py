@@ -168,24 +168,26 @@ class GradSync:
     def _topk_bytes(self, _, bucket: dist.GradBucket) -> int:
         if self.step < self.start:
             return bucket.buffer().nbytes
-        return 4 * topk_kept(bucket.buffer().numel(), self.topk_ratio)
+        return 4 * sum(topk_kept(p.numel(), self.topk_ratio) for p in bucket.parameters())
 
     def _topk_hook(self, group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Send each segment's largest entries (+ residual), gathered from every rank and averaged."""
+        """Send each parameter's largest entries per segment (+ residual), gathered from every rank and averaged.
+
+        Per parameter, not per bucket: DDP lays its buckets out anew after a new group's first step, and a
+        selection that followed the buckets would differ between a resumed run and one that went on."""
         if self.step < self.start:
             return default_hooks.allreduce_hook(group, bucket)
-        buffer, params = bucket.buffer(), bucket.parameters()
-        # bucket.parameters() lists the parameters in the order of their slices of the flat buffer.
-        residual = torch.cat(
-            [self.residuals[p] if p in self.residuals else buffer.new_zeros(p.numel()) for p in params]
-        )
-        payload, residual = topk_compress(buffer + residual, self.topk_ratio)
-        self._next.update(zip(params, residual.split([p.numel() for p in params])))
+        buffer, params, ratio = bucket.buffer(), bucket.parameters(), self.topk_ratio
+        sizes = [p.numel() for p in params]  # bucket.parameters() is in the order of their slices of the buffer
+        parts = []
+        for p, grad in zip(params, buffer.split(sizes)):
+            payload, self._next[p] = topk_compress(grad + self.residuals[p] if p in self.residuals else grad, ratio)
+            parts.append(payload)
+        payload = torch.cat(parts)
         world = group.size()
         gathered = payload.new_empty(world * payload.numel())
         fut = dist.all_gather_into_tensor(gathered, payload, group=group, async_op=True).get_future()
-        numel, ratio = buffer.numel(), self.topk_ratio
-        return fut.then(lambda _: topk_decompress(gathered, numel, ratio).to(buffer.dtype).div_(world))
+        return fut.then(lambda _: topk_decompress_parts(gathered, sizes, ratio, world).to(buffer.dtype).div_(world))
 
 
 def _mean(ranks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -257,6 +259,17 @@ def topk_compress(g: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Te
     residual[at] = (kept - values.float()).to(g.dtype)
     payload = torch.cat([local.to(torch.int16).view(torch.uint8), values.view(torch.uint8)])
     return payload, residual.nan_to_num_(0.0, 0.0, 0.0)
+
+
+def topk_decompress_parts(gathered: torch.Tensor, sizes: list[int], ratio: float, world: int) -> torch.Tensor:
+    """Sum of every rank's payload for tensors of `sizes` sent one after the other, as one dense fp32 tensor."""
+    per_rank = gathered.view(world, -1)
+    out, start = [], 0
+    for numel in sizes:
+        length = 4 * topk_kept(numel, ratio)
+        out.append(topk_decompress(per_rank[:, start : start + length].flatten(), numel, ratio))
+        start += length
+    return torch.cat(out)
 
 
 def topk_decompress(gathered: torch.Tensor, numel: int, ratio: float) -> torch.Tensor:

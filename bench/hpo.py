@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
                     pruning=pruning,
                     progress=False,
                 )
+                if len(rows) < args.trials:  # Tune ends a search early on Ctrl-C: its best would be a lesser one
+                    raise SystemExit(f"{name}, seed {seed}: {len(rows)} of {args.trials} trials ran; not recorded")
                 done = [r for r in rows if r["status"] == "completed"]
                 run = {
                     "seed": seed,

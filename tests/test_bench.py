@@ -61,3 +61,18 @@ def test_comm_bench_runs_a_straggler_variant_and_compares(ray_session, data_dir,
     assert result["bytes_per_worker_step"] == result["dense_bytes_per_worker_step"] > 0
     ratios = comm.compare({"static": result | {"samples_per_s": result["samples_per_s"] / 2}, "balanced": result})
     assert ratios["balanced_vs_static_throughput"] == 2.0
+
+
+def test_finetune_bench_runs_a_large_batch_variant_and_compares(ray_session, data_dir, tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import finetune
+
+    small = ("data.corpus_bytes=1500000", "data.shard_bytes=200000")  # the session's corpus
+    result = finetune.run_large("lamb", 2, str(tmp_path), data_dir, 0, small)
+    assert result["samples"] == 2 * finetune.LARGE_BATCH and result["optimizer_bytes_per_worker"] > 0
+    assert result["checkpoint_bytes"] > 0 and np.isfinite(result["eval_loss"])
+    figures = {k: {"median": v} for k, v in result.items()}
+    ratios = finetune.compare({"adamw": figures, "lamb": {**figures, "eval_loss": {"median": 2 * result["eval_loss"]}}})
+    assert ratios == {"lamb_eval_loss_vs_adamw": 1.0}
+    descriptions = finetune.package_descriptions(tmp_path / "p.jsonl").read_text().splitlines()
+    assert descriptions and all(len(json.loads(line)["text"]) > 500 for line in descriptions)

@@ -137,7 +137,7 @@ def test_lamb_with_zero1_trains_as_lamb_without_it_through_a_lost_shard_and_the_
     sharded_dir = run(make_cfg, "lamb-zero", *lamb, "comm.zero=true", "checkpoint.every=6", lost)
     sharded = records(sharded_dir, "train")
     assert records(sharded_dir, "rollback")[0]["step"] == 6
-    assert [r["loss"] for r in sharded] == [r["loss"] for r in plain] and plain[-1]["loss"] < 0.8 * plain[0]["loss"]
+    assert [r["loss"] for r in sharded] == [r["loss"] for r in plain] and plain[-1]["loss"] < 0.9 * plain[0]["loss"]
     optim = make_cfg(*lamb).optim
     assert [r["lr"] for r in plain] == pytest.approx([optim.lr * lr_factor(r["step"] - 1, optim, 14) for r in plain])
     rising = [r["step"] for a, r in zip(plain, plain[1:]) if r["lr"] > a["lr"]]

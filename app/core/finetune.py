@@ -112,7 +112,7 @@ def resolve_base(source: str) -> tuple[str, str, Config | None]:
     except STORAGE_ERRORS as e:
         raise ConfigError(f"--from {source} cannot be read: {describe(e)}") from None
     digest = checkpoint.weights_digest(checkpoint.model_weights(ckpt.parts))
-    return ckpt.path, digest, run_cfg
+    return ckpt.path.removeprefix("file://"), digest, run_cfg  # a local base as a plain path
 
 
 def finetune_config(source: str, config: str | None, overrides: list[str]) -> Config:
