@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import ray
+from rounds import publish
 
 from app.core.config import load_config
 from app.core.records import read_jsonl
@@ -147,10 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         "variants": results,
         "ratios": compare(results),
     }
-    print(json.dumps(report["ratios"], indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    return report
+    return publish(report, "ratios", args.out)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,13 @@ fast-moving steps from the cost of compressing at all.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import ray
 from comm import SYNC, run_variant
-from rounds import summary
+from rounds import publish, summary
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = {
@@ -79,10 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
         "variants": {key: {"config": VARIANTS[key.split("@")[0]], **m} for key, m in medians.items()},
         "gaps": {str(length): gaps(medians, length) for length in args.lengths},
     }
-    print(json.dumps(report["gaps"], indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    return report
+    return publish(report, "gaps", args.out)
 
 
 if __name__ == "__main__":

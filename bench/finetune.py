@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import ray
 import torch
-from rounds import summary
+from rounds import publish, summary
 
 from app.core.config import load_config
 from app.core.finetune import build_model, finetune_config
@@ -175,10 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         "variants": results,
         "ratios": compare(results),
     }
-    print(json.dumps(report["ratios"], indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    return report
+    return publish(report, "ratios", args.out)
 
 
 if __name__ == "__main__":

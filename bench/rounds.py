@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 
 
 def summary(runs: list[dict]) -> dict:
@@ -16,3 +18,11 @@ def summary(runs: list[dict]) -> dict:
         }
         for k in keys
     }
+
+
+def publish(report: dict, shown: str, out: str) -> dict:
+    """Print the report's `shown` part (its ratios) and save the whole report to `out` (unless '')."""
+    print(json.dumps(report[shown], indent=1))
+    if out:
+        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
