@@ -1,0 +1,74 @@
+"""PPO's objective (app/core/ppo.py) against the formulas written out longhand, on small hand-made rollouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.core.ppo import AdaptiveKL, entropy, gae, moments, policy_loss, token_rewards, value_loss, whiten
+
+pytestmark = pytest.mark.unit
+
+MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])  # two responses of 3 and 2 tokens
+
+
+def test_rewards_are_the_kl_penalty_at_every_token_and_the_score_at_the_last():
+    logp, ref = torch.full((2, 4), -1.0), torch.full((2, 4), -1.5)
+    rewards = token_rewards(torch.tensor([2.0, -1.0]), logp, ref, MASK, beta=0.1)
+    expected = torch.tensor([[-0.05, -0.05, 1.95, 0.0], [-0.05, -1.05, 0.0, 0.0]])
+    torch.testing.assert_close(rewards, expected)
+
+
+def test_gae_is_the_discounted_sum_of_td_errors_within_each_response():
+    gen = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(2, 4, generator=gen) * MASK, torch.randn(2, 4, generator=gen) * MASK
+    gamma, lam = 0.9, 0.8
+    advantages, returns = gae(rewards, values, MASK, gamma, lam)
+    for b in range(2):
+        n = int(MASK[b].sum())
+        v = values[b, :n].tolist() + [0.0]  # nothing after the last token
+        deltas = [rewards[b, t].item() + gamma * v[t + 1] - v[t] for t in range(n)]
+        for t in range(n):
+            expected = sum((gamma * lam) ** k * deltas[t + k] for k in range(n - t))
+            assert advantages[b, t].item() == pytest.approx(expected, rel=1e-5)
+            assert returns[b, t].item() == pytest.approx(expected + v[t], rel=1e-5)
+        assert advantages[b, n:].abs().sum() == 0 and returns[b, n:].abs().sum() == 0
+
+
+def test_whitening_over_two_workers_uses_the_moments_of_both():
+    a, b = torch.tensor([[1.0, 2.0, 3.0, 9.0]]), torch.tensor([[4.0, 5.0, 0.0, 0.0]])
+    ma, mb = MASK[:1], MASK[1:]
+    sums = moments(a, ma) + moments(b, mb)  # what an all-reduce of each worker's moments gives
+    everything = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    expected = (everything - everything.mean()) / (everything.std() + 1e-8)
+    got = torch.cat([whiten(a, sums, ma)[0, :3], whiten(b, sums, mb)[0, :2]])
+    torch.testing.assert_close(got, expected)
+    assert whiten(a, sums, ma)[0, 3] == 0  # padding stays zero
+
+
+def test_the_policy_loss_clips_the_ratio_and_counts_the_clipped_tokens():
+    old = torch.zeros(2, 4)
+    new = torch.log(torch.tensor([[1.1, 1.5, 0.5, 9.0], [0.9, 1.0, 9.0, 9.0]]))
+    adv = torch.tensor([[1.0, 1.0, -1.0, 5.0], [-1.0, 2.0, 5.0, 5.0]])
+    loss, clipped = policy_loss(new, old, adv, MASK, clip=0.2)
+    # per token: min(r A, clip(r) A), negated: 1.1; 1.2 (clipped); -0.8 (clipped); -0.9 (r A); 2.0
+    expected = -(1.1 + 1.2 - 0.8 - 0.9 + 2.0) / 5
+    assert loss.item() == pytest.approx(expected, rel=1e-6) and clipped.item() == pytest.approx(2 / 5)
+
+
+def test_the_value_loss_takes_the_larger_of_the_clipped_and_unclipped_errors():
+    old = torch.zeros(1, 4)
+    values, returns = torch.tensor([[0.5, 0.1, -0.5, 0.0]]), torch.tensor([[1.0, 1.0, -1.0, 0.0]])
+    loss = value_loss(values, old, returns, MASK[:1], clip=0.2)
+    # clipped values 0.2, 0.1, -0.2: errors max(0.25, 0.64), max(0.81, 0.81), max(0.25, 0.64)
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 0.81 + 0.64) / 3, rel=1e-6)
+
+
+def test_entropy_of_a_uniform_distribution_is_log_of_its_size():
+    assert entropy(torch.zeros(2, 4, 7), MASK).item() == pytest.approx(torch.log(torch.tensor(7.0)).item())
+
+
+def test_the_kl_coefficient_moves_towards_the_target_with_a_clipped_error():
+    kl = AdaptiveKL(beta=0.1, target=6.0, horizon=10_000)
+    assert kl.update(kl=12.0, samples=1000) == pytest.approx(0.1 * (1 + 0.2 * 0.1))  # error 1.0, clipped to 0.2
+    assert kl.update(kl=5.7, samples=1000) == pytest.approx(0.1 * 1.02 * (1 - 0.05 * 0.1))
