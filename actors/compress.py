@@ -38,8 +38,8 @@ class GradSync:
     Top-k's residuals are part of the run's state, like the optimizer's: a step's residuals
     count once the step does (`commit`: a failed step is redone from the ones before it);
     they are stamped with the step of the state they belong to, keyed by parameter so they
-    survive a new DDP, rescaled when the group's size changes, and written to checkpoints
-    (`saved`, `carry`). PowerSGD's state is torch's, per bucket, and is rebuilt per group.
+    survive a new DDP, rescaled when the group's size changes (`regroup`), written to checkpoints
+    (`saved`) and taken back from them (`loaded`). PowerSGD's state is torch's, per bucket, and is rebuilt per group.
     """
 
     def __init__(self, mode: str, topk_ratio: float = 0.1, powersgd_rank: int = 2, start: int = 0):
@@ -115,9 +115,16 @@ class GradSync:
                 residual.mul_(world / self.units)
         self.units, self.held_at = world, applied
 
-    def saved(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """This rank's residuals by parameter name, on CPU: its part of a checkpoint."""
+    def saved(self, named: list[tuple[str, torch.Tensor]], applied: int) -> dict[str, torch.Tensor]:
+        """This rank's residuals of the state at `applied` by parameter name, on CPU: its part of a checkpoint
+        (empty before compression starts, or for a joiner that has sent nothing yet)."""
+        if self.held_at != applied:
+            return {}
         return {n: self.residuals[p].detach().to("cpu", copy=True) for n, p in named if p in self.residuals}
+
+    def drop(self) -> None:
+        """Alone in a group: nothing is compressed, and what is unsent has no one to go to."""
+        self.residuals, self._carried = {}, None
 
     def take_stats(self) -> dict:
         """Bytes this worker handed to collectives since the last take, against what plain all-reduce would send."""
@@ -191,7 +198,9 @@ class GradSync:
 
 
 def _mean(ranks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {n: torch.stack([r[n] for r in ranks]).mean(0) for n in ranks[0]}
+    """The residuals' sum over the ranks that saved them over their number (a rank without one counts as zero)."""
+    names = {n for r in ranks for n in r}
+    return {n: sum(r[n] for r in ranks if n in r) / len(ranks) for n in names}
 
 
 def _settle(fut: torch.futures.Future, hook, state, bucket: dist.GradBucket) -> None:

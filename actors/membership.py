@@ -326,7 +326,7 @@ class Team:
         self.nodes |= {w: i["node"] for w, i in zip(members, infos)}
         self.pids |= {w: i["pid"] for w, i in zip(members, infos)}
         self.peaks |= {w: i["peak_flops"] for w, i in zip(members, infos)}
-        self.flops_per_token = flops_per_token(self.cfg.model, infos[0]["params"])
+        self.flops_per_token = flops_per_token(self.cfg.model, infos[0]["params"], infos[0]["trainable"])
 
     def start_ps(self, at: Position) -> None:
         """Parameter-server mode: the workers as they are (no group), on their nodes' caches."""

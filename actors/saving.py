@@ -33,6 +33,7 @@ class Save:
     writers: list
     started: float
     stall_s: float  # how long the step loop waited for it
+    last_full: float  # the saver's last_full before this save began: where it goes back to if the save fails
 
 
 @dataclass
@@ -94,16 +95,21 @@ class Saver:
             except STORAGE_ERRORS as e:  # storage refuses: training goes on, the last good checkpoint stays the last
                 return self._failed(step, describe(e))
             meta = {**meta, "level": level, "step": step}
+            before = self.last_full
             if level == "full":
                 self.last_full = self._clock()
             if level == "light":
                 meta |= {"base": self.base["dir"], "base_step": self.base["step"]}
             background = self.cfg.checkpoint.async_save
             hashes = self.base["hashes"] if level == "light" else None
-            self._gather(
-                [w.checkpoint_begin.remote(path, level, hashes, background) for w in writers], workers, "checkpoint"
-            )
-            self.saving = Save(path, meta, writers, started, time.perf_counter() - started)
+            try:
+                self._gather(
+                    [w.checkpoint_begin.remote(path, level, hashes, background) for w in writers], workers, "checkpoint"
+                )
+            except WorkersLost:  # not saved: due again once the group has recovered
+                self.last_full = before
+                raise
+            self.saving = Save(path, meta, writers, started, time.perf_counter() - started, before)
             if not background or step == self.cfg.train.steps:
                 self.finish()
         finally:
@@ -125,14 +131,14 @@ class Saver:
                 [w.checkpoint_wait.remote() for w in save.writers], save.writers, f"checkpoint of step {step}"
             )
         except (WorkersLost, JobError) as e:  # lost writers are found again by the next step
-            return self._failed(step, e)
+            return self._failed(step, e, save)
         if any(r is None for r in results):
-            return self._failed(step, "a writer holds no save in progress (it was replaced)")
+            return self._failed(step, "a writer holds no save in progress (it was replaced)", save)
         files = {name: info for r in results for name, info in r["files"].items()}
         try:
             checkpoint.commit(save.path, save.meta, files)
         except STORAGE_ERRORS as e:  # no marker, no checkpoint: readers still find the one before
-            return self._failed(step, describe(e))
+            return self._failed(step, describe(e), save)
         if save.meta["level"] == "full":
             self.base = {"dir": posixpath.basename(save.path.rstrip("/")), "step": step, "hashes": results[0]["hashes"]}
         record = Checkpoint(
@@ -150,7 +156,9 @@ class Saver:
             record.retain_error = describe(e)
         self._record(record)
 
-    def _failed(self, step: int, why) -> None:
+    def _failed(self, step: int, why, save: Save | None = None) -> None:
+        if save is not None:  # the wall-clock cadence counts from the last save that was written
+            self.last_full = save.last_full
         log.warning("checkpoint at step %d was not written: %s", step, why)
         self._record(CheckpointFailed(step, str(why)[:500]))
         if step == self.cfg.train.steps:
@@ -164,6 +172,11 @@ class Saver:
         """The newest good checkpoint (after committing the one in flight: it holds a good step)."""
         self.finish()
         ckpt = checkpoint.load_latest(self.uri)
+        if ckpt is not None and "exported_from" in ckpt.meta:
+            raise JobError(
+                f"{ckpt.path} is an export of {ckpt.meta['exported_from']} (weights only), not a run's checkpoint: "
+                "it cannot be resumed; fine-tune from it with `etrain finetune --from`"
+            )
         if ckpt is not None and ckpt.meta["config_hash"] != config_hash:
             raise JobError(
                 f"checkpoint {ckpt.path} was made by a different model/data/optimizer config; resume with the run's "

@@ -93,6 +93,7 @@ class TrainWorker:
             "pid": os.getpid(),
             "node": node,
             "params": self.params,
+            "trainable": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
             "applied": self.applied,
             "peak_flops": self.peak_flops,
         }
@@ -149,6 +150,8 @@ class TrainWorker:
             return self._lay_out()
         if world == 1:  # alone, DDP would only copy gradients into buckets and back: slower, nothing gained
             self.ddp = self.model
+            if self.sync:  # and nothing is compressed: top-k's residuals have no one to go to
+                self.sync.drop()
             return
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # Buffers (rotary tables) are the same everywhere by construction: no broadcast each forward.
@@ -312,7 +315,7 @@ class TrainWorker:
         if finite:
             self.applied = step + 1
             if self.sync:
-                self.sync.commit(self.applied, sent=not grad_norm > max_norm)
+                self.sync.commit(self.applied, sent=math.isfinite(grad_norm) and grad_norm <= max_norm)
         return StepReport(
             finite=finite,
             skipped=math.isfinite(grad_norm) and grad_norm > max_norm,
@@ -550,8 +553,9 @@ class TrainWorker:
                 parts["extra.pt"] = _snapshot(
                     {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
                 )
-            if self.world > 1 and self.sync and self.sync.residuals and self.sync.held_at == self.applied:
-                parts[f"residual-{self.rank:03d}.pt"] = self.sync.saved(list(self.model.named_parameters()))
+            if self.world > 1 and self.sync and self.sync.mode == "topk":  # every rank, so a rank's file is its own
+                named = list(self.model.named_parameters())
+                parts[f"residual-{self.rank:03d}.pt"] = self.sync.saved(named, self.applied)
         self._saving = self._writer.submit(self._write, path, level, parts, weights, base_hashes)
         if not background:  # written when this returns; checkpoint_wait hands over the files or the error
             wait([self._saving])
@@ -604,6 +608,8 @@ class TrainWorker:
             self.sync.loaded(step, state.get("residuals"))
             if self.world > 1:  # in a group already (a resume, a rollback): this rank's now
                 self.sync.regroup(self.rank, self.world, list(self.model.named_parameters()), step)
+            elif self.world == 1:
+                self.sync.drop()
         load_trained_state(self.model, state["model"])
         self.scheduler.load_state_dict(state["scheduler"])
         self._unshard_optimizer(state["optimizer"])
@@ -702,9 +708,12 @@ def _assemble(parts: dict[str, bytes]) -> dict:
     else:
         shards = [deserialize(parts[n]) for n in sorted(parts) if re.fullmatch(r"optim-\d+\.pt", n)]
         optimizer = zero_state.merge(shards, deserialize(parts["optim-groups.pt"]))
-    # top-k's residuals, one per rank: a light checkpoint's come from its base, another step's state, and are dropped
-    residuals = [deserialize(parts[n]) for n in sorted(parts) if re.fullmatch(r"residual-\d+\.pt", n)]
-    carried = residuals if residuals and LIGHT not in parts else None
+    # top-k's residuals, one file per rank of the group that saved: a light checkpoint's come from its base, another
+    # step's state, and are dropped
+    ranks = {int(m[1]): n for n in parts if (m := re.fullmatch(r"residual-(\d+)\.pt", n))}
+    if ranks and sorted(ranks) != list(range(len(ranks))):
+        raise ValueError(f"the checkpoint's residual files are not one per rank 0..N-1: {sorted(ranks.values())}")
+    carried = [deserialize(parts[ranks[r]]) for r in sorted(ranks)] if ranks and LIGHT not in parts else None
     return {"model": model, "optimizer": optimizer, **deserialize(parts["extra.pt"]), "residuals": carried}
 
 

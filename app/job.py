@@ -114,9 +114,9 @@ def train(
             cfg, {"checkpoint.uri": str(durable(Path(cfg.checkpoint.uri).expanduser().resolve(), "checkpoint.uri"))}
         )
     if cfg.finetune.base is not None:  # here, before any worker starts: a base that is gone or changed is refused
-        from app.core.finetune import base_weights
+        from app.core.finetune import check_base
 
-        base_weights(cfg.finetune)
+        check_base(cfg)
     lease = acquire(checkpoint_uri(cfg, run_dir), run_dir.name, cfg.timeouts.lease_s)
     try:
         return _run(cfg, run_dir, resume, started_at, Progress(cfg.train.steps, progress, log_every), on_eval, lease)

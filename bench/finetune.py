@@ -5,7 +5,7 @@
    made with `etrain prepare`). Trainable parameters, optimizer state per worker, checkpoint bytes, median step time,
    and the eval loss on the fine-tuning corpus after the same steps, beside the base's own eval loss there.
 2. LAMB vs AdamW at 8x the default global batch (128 instead of 16), from scratch, after the same samples: eval loss.
-   LAMB twice: at AdamW's lr, and at a higher one (its trust ratio makes its steps relative to each tensor's norm).
+   Each at its own lr (LAMB's trust ratio makes its steps relative to each tensor's norm: it wants a larger one).
 
 Variants run in interleaved rounds; the results file holds each figure's median over them and its spread.
 
@@ -36,11 +36,22 @@ from pipelines.prepare import prepare
 from pipelines.shards import ShardReader, read_manifest
 
 RESULTS = Path(__file__).resolve().parent / "results"
-FINETUNE = {"full": ["finetune.method=full", "optim.lr=1e-3"], "lora": ["finetune.method=lora", "optim.lr=1e-2"]}
-LARGE = {
-    "adamw": ["optim.name=adamw"],
-    "lamb": ["optim.name=lamb"],
-    "lamb_lr_x3": ["optim.name=lamb", "optim.lr=9e-3"],
+# Each at the best lr of a one-round sweep on this bench (full: 1e-3, 2e-3; LoRA: 1e-2, 2e-2, 4e-2; all-linear LoRA:
+# 1e-2, 2e-2; AdamW at the large batch: 3e-3, 6e-3; LAMB: 3e-3, 9e-3, 2e-2, 4e-2, 8e-2): results/finetune.json's
+# "sweep". LoRA as the product's default (rank 8 on attn.q, k, v, proj), and rank 4 on every linear layer.
+ALL_LINEAR = "finetune.lora.targets=[attn.q,attn.k,attn.v,attn.proj,mlp.0,mlp.2]"
+FINETUNE = {
+    "full": ["finetune.method=full", "optim.lr=2e-3"],
+    "lora": ["finetune.method=lora", "optim.lr=2e-2"],
+    "lora_all_r4": ["finetune.method=lora", ALL_LINEAR, "finetune.lora.rank=4", "optim.lr=1e-2"],
+}
+LARGE = {"adamw": ["optim.name=adamw", "optim.lr=3e-3"], "lamb": ["optim.name=lamb", "optim.lr=2e-2"]}
+SWEEP = {  # eval loss, one round (training here is deterministic: rounds agree exactly)
+    "full": {"1e-3": 2.4517, "2e-3": 2.3836},
+    "lora": {"1e-2": 2.6799, "2e-2": 2.6668, "4e-2": 2.9229},
+    "lora_all_r4": {"1e-2": 2.6212, "2e-2": 2.6285},
+    "adamw": {"3e-3": 2.7415, "6e-3": 2.8251},
+    "lamb": {"3e-3": 4.2483, "9e-3": 3.3505, "2e-2": 2.6313, "4e-2": 2.6710, "8e-2": 2.8597},
 }
 LARGE_BATCH = 128  # 8x the tiny preset's 16
 
@@ -110,18 +121,18 @@ def run_large(name: str, steps: int, root: str, data_dir: str, rnd: int, extra: 
 def compare(results: dict) -> dict:
     out = {}
     med = {k: {f: v["median"] for f, v in r.items()} for k, r in results.items() if k != "base"}
-    if {"full", "lora"} <= set(med):
-        full, lora = med["full"], med["lora"]
-        out |= {
-            "lora_eval_loss_vs_full": lora["eval_loss"] / full["eval_loss"] - 1,
-            "lora_trainable_params_share": lora["trainable_params"] / full["trainable_params"],
-            "lora_optimizer_bytes_vs_full": lora["optimizer_bytes_per_worker"] / full["optimizer_bytes_per_worker"],
-            "lora_checkpoint_bytes_vs_full": lora["checkpoint_bytes"] / full["checkpoint_bytes"],
-            "lora_step_time_vs_full": lora["step_s"] / full["step_s"],
-        }
-    for k in ("lamb", "lamb_lr_x3"):
-        if k in med and "adamw" in med:
-            out[f"{k}_eval_loss_vs_adamw"] = med[k]["eval_loss"] / med["adamw"]["eval_loss"] - 1
+    for k in ("lora", "lora_all_r4"):
+        if k in med and "full" in med:
+            full, lora = med["full"], med[k]
+            out |= {
+                f"{k}_eval_loss_vs_full": lora["eval_loss"] / full["eval_loss"] - 1,
+                f"{k}_trainable_params_share": lora["trainable_params"] / full["trainable_params"],
+                f"{k}_optimizer_bytes_vs_full": lora["optimizer_bytes_per_worker"] / full["optimizer_bytes_per_worker"],
+                f"{k}_checkpoint_bytes_vs_full": lora["checkpoint_bytes"] / full["checkpoint_bytes"],
+                f"{k}_step_time_vs_full": lora["step_s"] / full["step_s"],
+            }
+    if "lamb" in med and "adamw" in med:
+        out["lamb_eval_loss_vs_adamw"] = med["lamb"]["eval_loss"] / med["adamw"]["eval_loss"] - 1
     return out
 
 
@@ -172,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rounds": args.rounds,
         "steps": {"base": args.base_steps, "finetune": args.steps, "large_batch": args.large_steps},
         "base_eval_loss_on_finetune_corpus": base_loss,
+        "sweep": SWEEP,
         "variants": results,
         "ratios": compare(results),
     }

@@ -49,7 +49,9 @@ def test_a_wall_clock_cadence_saves_between_the_step_cadences_saves(make_cfg):
     """checkpoint.every_s: with no step cadence (every=0, the final save only), a run that lasts several
     every_s saves on the way; a save is due once every_s has passed since the last one began."""
     every_s = 0.3
-    cfg = make_cfg(*FAST, "run.name=clock", "train.steps=30", "checkpoint.every=0", f"checkpoint.every_s={every_s}")
+    slowed = "faults=[{rank: 0, step: 1, kind: slow, factor: 4}]"  # so that even a fast machine takes a while
+    clock = ["train.steps=30", "checkpoint.every=0", f"checkpoint.every_s={every_s}"]
+    cfg = make_cfg(*FAST, "run.name=clock", *clock, slowed)
     run_dir = new_run_dir(cfg)
     train(cfg, run_dir, progress=False)
     steps = {r["step"]: r["time"] for r in records(run_dir, "train")}

@@ -257,12 +257,29 @@ def test_residuals_of_another_state_are_dropped():
 
 def test_a_checkpoints_residuals_go_back_to_their_ranks_or_their_mean_at_another_size():
     saved = [{"p0": torch.tensor([1.0, 1.0])}, {"p0": torch.tensor([3.0, 5.0])}]
-    for rank, world, expected in [(1, 2, [3.0, 5.0]), (0, 2, [1.0, 1.0]), (2, 3, [2.0, 3.0])]:
+    for rank, world, expected in [(1, 2, [3.0, 5.0]), (0, 2, [1.0, 1.0]), (2, 3, [2.0, 3.0])]:  # at 3: the mean
         sync, named = residual_sync([9.0], world=world, applied=1)
         sync.loaded(12, saved)
         sync.regroup(rank, world, named, applied=12)
         assert sync.residuals[named[0][1]].tolist() == expected and sync.held_at == 12
-        assert sync.saved(named)["p0"].tolist() == expected
+        assert sync.saved(named, 12)["p0"].tolist() == expected and sync.saved(named, 13) == {}
+
+
+def test_a_rank_that_saved_no_residuals_counts_as_zero_in_their_mean():
+    """A joiner that had sent nothing yet when the checkpoint was taken saved an empty file: the mean over the
+    saving ranks keeps the sum the averaged update carries (3 ranks' sum over 3, not over the 2 with residuals)."""
+    saved = [{"p0": torch.tensor([3.0, 3.0])}, {}, {"p0": torch.tensor([6.0, 0.0])}]
+    sync, named = residual_sync([9.0], world=2, applied=1)
+    sync.loaded(12, saved)
+    sync.regroup(0, 2, named, applied=12)
+    assert sync.residuals[named[0][1]].tolist() == [3.0, 1.0]
+
+
+def test_alone_in_a_group_the_residuals_are_dropped():
+    sync, named = residual_sync([2.0], world=2)
+    sync.drop()
+    sync.regroup(0, 2, named, applied=5)  # back in a group of 2 at the same step: nothing from before
+    assert sync.residuals == {}
 
 
 def test_an_outliers_skipped_step_leaves_the_residuals_as_they_were():

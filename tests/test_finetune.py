@@ -5,6 +5,7 @@ merged weights that give its logits; a base that changed is refused before anyth
 from __future__ import annotations
 
 import io
+import math
 import shutil
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from actors.control import JobError
 from app.cli import main
 from app.core import checkpoint
 from app.core.checkpoint import checkpoint_uri, load_latest
+from app.core.config import ConfigError
 from app.core.finetune import build_model, finetune_config, load_trained_state
 from app.core.model import GPT
 from app.job import new_run_dir, train
@@ -56,6 +58,20 @@ def test_a_lora_run_starts_from_its_base_and_checkpoints_its_adapters_alone(base
     assert saved.meta["step"] == STEPS
 
 
+def test_lora_under_zero1_is_lora_and_under_top_k_sends_less(base_run, reference):
+    """The adapters are the only parameters: ZeRO-1 shards their state (the no-decay group is empty) and the
+    losses are the unsharded run's; top-k compresses their gradients alone."""
+    zero = finetune_config(str(base_run), None, [*LORA, "run.name=lora-zero", "comm.zero=true"])
+    train(zero, zero_dir := new_run_dir(zero), progress=False)
+    assert losses(zero_dir) == losses(reference)
+    topk = [*LORA, "run.name=lora-topk", "comm.compression=topk", "comm.compress_start=2"]
+    train(cfg := finetune_config(str(base_run), None, topk), topk_dir := new_run_dir(cfg), progress=False)
+    last = records(topk_dir, "train")[-1]
+    assert last["comm_bytes"] < 0.2 * last["dense_bytes"] and all(math.isfinite(x) for x in losses(topk_dir))
+    adapters = sum(p.numel() for p in build_model(cfg).parameters() if p.requires_grad)
+    assert last["dense_bytes"] == 4 * adapters * 2  # fp32 gradients of the adapters alone, from both workers
+
+
 def test_a_lora_run_recovers_a_killed_worker_and_resumes_bitwise(base_run, reference):
     faults = "faults=[{rank: 1, step: 3, kind: kill}, {rank: 0, step: 10, kind: kill}]"
     cfg = finetune_config(str(base_run), None, [*LORA, "run.name=lora-faults", "cluster.max_recoveries=1", faults])
@@ -68,7 +84,7 @@ def test_a_lora_run_recovers_a_killed_worker_and_resumes_bitwise(base_run, refer
     assert records(run_dir, "resume")[0]["step"] == 8
 
 
-def test_export_merges_the_adapters_into_weights_that_give_the_runs_logits(base_run, reference, tmp_path):
+def test_export_merges_the_adapters_into_weights_that_give_the_runs_logits(base_run, reference, tmp_path, capsys):
     out = tmp_path / "merged"
     assert main(["export", str(reference), "--merge", "--out", str(out)]) == 0
     exported = load_latest(str(out / "checkpoints"))
@@ -84,7 +100,11 @@ def test_export_merges_the_adapters_into_weights_that_give_the_runs_logits(base_
     base = checkpoint.model_weights(load_latest(checkpoint_uri(cfg, base_run)).parts)
     targets = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.proj.weight")
     assert all(torch.equal(merged[n], base[n]) == (not n.endswith(targets)) for n in base)
-    # the export is a base in its turn
+    # the export is a base in its turn, not a run to resume; the LoRA run itself is no base (adapters only)
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 1
+    assert "is an export of" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="holds a LoRA run's adapters, not a whole model"):
+        finetune_config(str(reference), None, [])
     again = finetune_config(str(out), None, [])
     assert again.finetune.base == str(out / "checkpoints" / Path(exported.path).name) and again.model == cfg.model
 

@@ -12,6 +12,7 @@ from app.core.config import ConfigError, load_config, override
 from app.core.finetune import (
     base_weights,
     build_model,
+    check_base,
     finetune_config,
     load_trained_state,
     trained_state,
@@ -135,6 +136,17 @@ def test_a_base_that_changed_is_refused_by_its_digest(base_run):
     checkpoint.save(str(base_run / "checkpoints"), 7, {"model.pt": other}, {"cursor": 0}, keep=3)
     with pytest.raises(ConfigError, match="is not the checkpoint this run was made from: its weights' sha256"):
         base_weights(cfg.finetune)
+
+
+def test_a_bare_checkpoint_takes_the_given_config_and_a_base_of_another_shape_is_refused(tmp_path):
+    """A checkpoint with no run beside it and no config in its commit: the model comes from --config, and the
+    driver's check finds that the base's weights do not fit it before any worker starts."""
+    checkpoint.save(str(tmp_path / "ck"), 3, {"model.pt": base_model().state_dict()}, {"cursor": 0}, keep=1)
+    fits = finetune_config(str(tmp_path / "ck"), "tiny", [])
+    check_base(fits)
+    narrow = finetune_config(str(tmp_path / "ck"), "tiny", ["model.d_model=64"])
+    with pytest.raises(ConfigError, match=r"another model shape .*attn.k.weight: \(128, 128\) here, \(64, 64\)"):
+        check_base(narrow)
 
 
 def test_cli_refuses_a_missing_base_and_an_unmerged_export_of_a_lora_run(base_run, tmp_path, capsys):

@@ -70,3 +70,9 @@ def test_hpo_notebook_searches_and_plots(data_dir, tmp_path):
     env = {"ETRAIN_NB_TRIALS": "2", "ETRAIN_NB_STEPS": "8", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL}
     nb = execute("03_hpo.ipynb", env, tmp_path / "tmp")
     assert images(nb) == 3  # history, importances, learning curve
+
+
+def test_finetune_notebook_fine_tunes_with_lora_and_fully_and_exports(data_dir, tmp_path):
+    env = {"ETRAIN_NB_STEPS": "20", "ETRAIN_NB_FT_STEPS": "10", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL}
+    nb = execute("04_finetune.ipynb", env, tmp_path / "tmp")
+    assert images(nb) == 1  # the learning curves; the notebook asserts the parameter share and the merged logits

@@ -461,6 +461,11 @@ class Config(Section):
                 "comm.mode=ps sends whole gradients to the parameter servers: comm.zero and comm.compression apply to "
                 "allreduce only"
             )
+        if self.comm.mode == "ps" and (self.optim.name != "adamw" or self.checkpoint.every_s):
+            raise ValueError(
+                "comm.mode=ps runs AdamW on its shards and checkpoints at its quiet steps (checkpoint.every): "
+                "optim.name=lamb and checkpoint.every_s apply to allreduce only"
+            )
         if self.comm.mode == "ps" and self.finetune.lora_on:
             raise ValueError(
                 "finetune.method=lora trains adapters on frozen weights; comm.mode=ps shards every weight: use "

@@ -4,6 +4,7 @@ its state that checkpoints and peers carry (for LoRA, the adapters alone)."""
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from torch import nn
 
 from app.core import checkpoint
 from app.core.config import Config, ConfigError, FinetuneConfig, load_config, override, validate
-from app.core.lora import adapters, add_adapters
+from app.core.lora import adapters, add_adapters, is_adapter
 from app.core.model import GPT
 from app.core.storage import STORAGE_ERRORS, describe
 
@@ -30,6 +31,21 @@ def build_model(cfg: Config) -> GPT:
     if ft.method == "lora":
         add_adapters(model, ft.lora)
     return model
+
+
+def check_base(cfg: Config) -> None:
+    """The driver's check before any worker starts: the base is there, unchanged, and fits the run's model."""
+    weights = base_weights(cfg.finetune)
+    with torch.device("meta"):
+        expected = {n: t.shape for n, t in GPT(cfg.model).state_dict().items()}
+    got = {n: t.shape for n, t in weights.items()}
+    if got != expected:
+        differ = sorted(n for n in expected.keys() | got.keys() if expected.get(n) != got.get(n))
+        raise ConfigError(
+            f"finetune.base {cfg.finetune.base} holds weights of another model shape (first of {len(differ)} that "
+            f"differ: {differ[0]}: {tuple(got.get(differ[0], ()))} here, {tuple(expected.get(differ[0], ()))} in the "
+            "run's model); the run's model section must be the base's"
+        )
 
 
 def base_weights(ft: FinetuneConfig) -> dict[str, torch.Tensor]:
@@ -111,8 +127,16 @@ def resolve_base(source: str) -> tuple[str, str, Config | None]:
         raise ConfigError(f"--from {source}: {e}") from None
     except STORAGE_ERRORS as e:
         raise ConfigError(f"--from {source} cannot be read: {describe(e)}") from None
-    digest = checkpoint.weights_digest(checkpoint.model_weights(ckpt.parts))
-    return ckpt.path.removeprefix("file://"), digest, run_cfg  # a local base as a plain path
+    weights = checkpoint.model_weights(ckpt.parts)
+    if any(is_adapter(n) for n in weights):
+        raise ConfigError(
+            f"--from {source}: {ckpt.path} holds a LoRA run's adapters, not a whole model; export it with "
+            "`etrain export RUN --merge --out DIR` and fine-tune from DIR"
+        )
+    if run_cfg is None and isinstance(ckpt.meta.get("config"), dict):  # a run's checkpoint names its config
+        with contextlib.suppress(ConfigError):  # one an older version wrote may not validate: then --config's
+            run_cfg = validate(ckpt.meta["config"])
+    return ckpt.path.removeprefix("file://"), checkpoint.weights_digest(weights), run_cfg  # a local base: a path
 
 
 def finetune_config(source: str, config: str | None, overrides: list[str]) -> Config:

@@ -25,9 +25,11 @@ GPU_PEAKS_TFLOPS = {
 }
 
 
-def flops_per_token(model: ModelConfig, params: int) -> float:
-    """Training FLOPs per token: 6 per parameter plus attention (PaLM appendix B, as nanoGPT counts)."""
-    return 6 * params + 12 * model.n_layer * model.d_model * model.seq_len
+def flops_per_token(model: ModelConfig, params: int, trainable: int | None = None) -> float:
+    """Training FLOPs per token: 6 per parameter plus attention (PaLM appendix B, as nanoGPT counts). A frozen
+    parameter (a LoRA run's base) costs 4: the forward and the gradient through it, no gradient of its own."""
+    trainable = params if trainable is None else trainable
+    return 4 * params + 2 * trainable + 12 * model.n_layer * model.d_model * model.seq_len
 
 
 def peak_flops(device, precision: str) -> float | None:
