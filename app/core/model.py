@@ -120,6 +120,19 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+@torch.no_grad()
+def sample(
+    model: GPT, prompts: torch.Tensor, steps: int, temperature: float, generator: torch.Generator
+) -> torch.Tensor:
+    """`prompts` (B, P) each continued by `steps` tokens drawn from the model at `temperature`. No cache: the
+    sequence goes through the model whole at each step, which the short responses PPO samples can afford."""
+    x = prompts
+    for _ in range(steps):
+        logits = model.logits(x[:, -model.cfg.seq_len :])[:, -1].float() / temperature
+        x = torch.cat([x, torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)], 1)
+    return x
+
+
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every position, in fp32 whatever the logits' precision."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
