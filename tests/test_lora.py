@@ -76,6 +76,22 @@ def test_merged_weights_give_the_adapted_models_logits():
     assert all(torch.equal(plain.state_dict()[n], base.state_dict()[n]) for n in untouched)
 
 
+def test_modules_trained_beside_the_adapters_are_trained_checkpointed_and_merged():
+    model = base_model()
+    lora = CFG.finetune.lora.model_copy(update={"also_train": ["norm1", "norm2", "norm"]})
+    add_adapters(model, lora)
+    norms = [n for n in model.state_dict() if ".norm" in n or n.startswith("norm.")]
+    assert len(norms) == 2 * (2 * CFG.model.n_layer + 1)  # weight and bias of every LayerNorm
+    assert set(trained_state(model)) == set(norms) | {n for n in model.state_dict() if n.endswith(("lora_a", "lora_b"))}
+    opt = make_optimizer(model, CFG.optim)
+    model.train()
+    model(TOKENS[:, :-1], TOKENS[:, 1:])[1].backward()
+    opt.step()
+    assert not torch.equal(merged_state(model)["norm.weight"], base_model().state_dict()["norm.weight"])
+    with pytest.raises(ValueError, match=r"also_train \['layernorm'\] name no module"):
+        add_adapters(base_model(), lora.model_copy(update={"also_train": ["layernorm"]}))
+
+
 def test_a_target_that_names_no_linear_layer_is_refused_with_the_ones_there_are():
     lora = CFG.finetune.lora.model_copy(update={"targets": ["attn.qkv"]})
     with pytest.raises(ValueError, match=r"\['attn.qkv'\] name no linear layer.*'attn.q'.*'mlp.0'"):
@@ -93,7 +109,7 @@ def test_a_lora_models_state_is_its_adapters_and_a_whole_model_state_is_refused(
                 p.zero_()
     load_trained_state(other, {k: v.clone() for k, v in state.items()})
     assert all(torch.equal(trained_state(other)[k], v) for k, v in state.items())
-    with pytest.raises(ValueError, match="a LoRA run's state holds its adapters"):
+    with pytest.raises(ValueError, match="a LoRA run's state holds what it trains"):
         load_trained_state(other, base_model().state_dict())
 
 

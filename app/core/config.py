@@ -374,6 +374,11 @@ class LoraConfig(Section):
         description="linear layers that get adapters, by name or its end: attn.q, attn.k, attn.v, attn.proj, mlp.0, "
         "mlp.2 (in every block), blocks.0.attn.q (one), head",
     )
+    also_train: list[str] = Field(
+        [],
+        description="modules trained in full beside the adapters, by name or its end (norm1, norm2, norm: the "
+        "LayerNorms); their weights are checkpointed with the adapters",
+    )
 
 
 class FinetuneConfig(Section):

@@ -15,7 +15,7 @@ from torch import nn
 
 from app.core import checkpoint
 from app.core.config import Config, ConfigError, FinetuneConfig, load_config, override, validate
-from app.core.lora import adapters, add_adapters, is_adapter
+from app.core.lora import adapters, add_adapters, is_adapter, trainable
 from app.core.model import GPT
 from app.core.storage import STORAGE_ERRORS, describe
 
@@ -80,20 +80,20 @@ def load_base(model: GPT, ft: FinetuneConfig) -> None:
 
 
 def trained_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What a checkpoint or a peer carries of the weights: the adapters of a LoRA model (the base is in its own
-    checkpoint), else every weight."""
-    state = adapters(model) or model.state_dict()
+    """What a checkpoint or a peer carries of the weights: what a LoRA model trains (its adapters, and any module
+    trained beside them; the base is in its own checkpoint), else every weight."""
+    state = trainable(model) if adapters(model) else model.state_dict()
     return {k: v.detach() for k, v in state.items()}
 
 
 def load_trained_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    ours = adapters(model)
-    if not ours:
+    if not adapters(model):
         model.load_state_dict(state)
         return
+    ours = trainable(model)
     if set(state) != set(ours):
         raise ValueError(
-            f"a LoRA run's state holds its adapters ({len(ours)} tensors); this one holds {len(state)}, "
+            f"a LoRA run's state holds what it trains ({len(ours)} tensors); this one holds {len(state)}, "
             f"e.g. {sorted(set(state) ^ set(ours))[:3]}"
         )
     with torch.no_grad():

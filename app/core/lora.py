@@ -49,8 +49,12 @@ def add_adapters(model: nn.Module, cfg: LoraConfig) -> list[str]:
         raise ValueError(
             f"finetune.lora.targets {missing} name no linear layer of this model; its linear layers: {kinds}"
         )
-    for p in model.parameters():
-        p.requires_grad_(False)
+    modules = [name for name, _ in model.named_modules() if name]
+    also = {t: [n for n in modules if n == t or n.endswith("." + t)] for t in cfg.also_train}
+    if missing := [t for t, names in also.items() if not names]:
+        raise ValueError(f"finetune.lora.also_train {missing} name no module of this model")
+    for name, p in model.named_parameters():
+        p.requires_grad_(any(name.startswith(m + ".") for found in also.values() for m in found))
     names = [n for n in linear if any(n in found for found in chosen.values())]
     for name in names:
         parent, _, leaf = name.rpartition(".")
@@ -65,6 +69,11 @@ def is_adapter(name: str) -> bool:
 
 def adapters(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if is_adapter(n)}
+
+
+def trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters a LoRA model trains: its adapters and what finetune.lora.also_train names."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
