@@ -23,6 +23,7 @@ from pathlib import Path
 
 import ray
 
+from actors import scorers
 from actors.balance import Balancer
 from actors.control import JobError, Observation, State, due, next_state
 from actors.data_plane import DataPlane
@@ -30,6 +31,7 @@ from actors.faults import FaultPlan
 from actors.gather import WorkersLost
 from actors.guards import Guards
 from actors.membership import Loss, Team
+from actors.ppo_loop import PPOStepper
 from actors.ps_mode import PSTraining
 from actors.runlog import RunLog
 from actors.saving import RewindPoint, Saver
@@ -54,7 +56,9 @@ class Coordinator:
         self.saver = Saver(cfg, checkpoint_uri(cfg, self.run_dir), self.log.record, self.team.gather)
         self.guards = Guards(cfg.train)
         self.faults = FaultPlan(cfg.faults)
-        self.stepper = Stepper(cfg, self.team, self.data, self.balancer, self.guards, self.faults, self.saver, self.log)
+        parts = (cfg, self.team, self.data, self.balancer, self.guards, self.faults, self.saver, self.log)
+        self.scorers = scorers.start(cfg) if cfg.ppo.reward else None  # PPO: the reference model, the reward
+        self.stepper = PPOStepper(*parts, scorers=self.scorers) if self.scorers else Stepper(*parts)
         self.loss: Loss | None = None  # members lost: the next decision is a recovery
         self.saved_step = self.evaluated_step = 0
 
@@ -102,6 +106,8 @@ class Coordinator:
                 )
             self._rewind(point, "resume", load_s=time.perf_counter() - started)
         self.saved_step = self.evaluated_step = self.at.step
+        if self.scorers and self.at.step == 0:  # PPO: the base policy's reward first, to measure the rise against
+            self.evaluated_step = -1
         if self.cfg.comm.zero and self.saver.latest(self.cfg.hash()) is None:
             self.loss = self._checkpoint()  # something to go back to when a worker is lost with its optimizer shard
         self.team.refill()
@@ -139,10 +145,11 @@ class Coordinator:
         self.evaluated_step = self.at.step
         try:
             loss = evaluate(self.team, self.data.eval_ids, self.cfg.timeouts.step_s)
+            reward = self.stepper.reward(self.cfg.timeouts.step_s) if self.scorers else None
         except WorkersLost as gone:  # this evaluation is lost with them; the next comes after recovery
             return Loss(gone.lost, gone.since)
         if loss is not None:
-            self.log.record(Eval(self.at.step, loss))
+            self.log.record(Eval(self.at.step, loss, reward))
         return None
 
     def _checkpoint(self) -> Loss | None:
@@ -152,6 +159,7 @@ class Coordinator:
             "config": self.cfg.model_dump(),
             "world_size": len(self.team.workers),
             **self.guards.state(),
+            **self.stepper.state(),
             "balance": self.balancer.state(self.team.workers),
         }
         try:
@@ -203,6 +211,7 @@ class Coordinator:
         self.saved_step = self.evaluated_step = self.at.step
         self.saver.base = None  # the next save is a full one: a light one needs hashes of a base this run wrote
         self.guards.load(meta, resume=kind == "resume")
+        self.stepper.load(meta)
         if kind == "resume":
             self.balancer.load(meta.get("balance"), self.team.workers)
         ckpt = point.ckpt
@@ -274,6 +283,8 @@ class Coordinator:
         self.log.close()
         self.saver.close()
         self.team.stop()
+        for actor in self.scorers or ():
+            ray.kill(actor)
         self.data.close(self.cfg.timeouts.close_s)
 
     # -- driver- and user-facing ---------------------------------------------------

@@ -52,6 +52,7 @@ class StepReport:
     optimizer_bytes: int
     data: dict  # hits, misses, wait_s
     saving: bool  # a checkpoint part is still being written
+    ppo: dict | None = None  # a PPO step's sums over this worker's rollouts (actors/rollout.py)
 
 
 @dataclass
@@ -67,6 +68,14 @@ class Stepper:
     def __init__(self, cfg: Config, team, data, balancer, guards, faults, saver, log):
         self.cfg, self.team, self.data, self.balancer = cfg, team, data, balancer
         self.guards, self.faults, self.saver, self.log = guards, faults, saver, log
+        self.tokens_per_sample = cfg.model.seq_len
+
+    def state(self) -> dict:
+        """What checkpoints hold of the stepper (a PPO stepper's KL coefficient); none for training steps."""
+        return {}
+
+    def load(self, meta: dict) -> None:
+        """Back to a checkpoint's `state()`."""
 
     def run(self, at: Position) -> Outcome:
         started = time.perf_counter()
@@ -113,13 +122,15 @@ class Stepper:
         replicas = np.split(order.take(self.data.layout, cursor, batch), np.cumsum(counts)[:-1])
         return [replicas[rank // par.ranks] for rank in range(len(workers))]
 
-    def commit(self, at: Position, batch: int, reports: list[StepReport] | None, elapsed: float) -> None:
-        """The step is done: the cursor moves on, and its record is written. Without reports when the
-        survivors of a lost member committed it (their losses miss the lost one's share)."""
+    def commit(
+        self, at: Position, batch: int, reports: list[StepReport] | None, elapsed: float, extra: dict | None = None
+    ) -> None:
+        """The step is done: the cursor moves on, and its record is written (with `extra`: a PPO step's means).
+        Without reports when the survivors of a lost member committed it (their losses miss the lost one's share)."""
         at.advance(batch)
-        record = Train(at.step, len(self.team.workers), batch, at.cursor)
+        record = Train(at.step, len(self.team.workers), batch, at.cursor, extra=extra or {})
         if reports is not None:
-            tokens_per_s = batch * self.cfg.model.seq_len / elapsed
+            tokens_per_s = batch * self.tokens_per_sample / elapsed
             slowest = max(reports, key=lambda r: r.worker_s)  # the others waited for it
             record.loss, record.lr, record.grad_norm, record.skipped = (
                 sum(r.loss for r in reports),

@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from actors import faults, zero_state
+from actors import faults, rollout, zero_state
 from actors.compress import GradSync
 from actors.step import StepReport
+from app.core import rewards
 from app.core.checkpoint import (
     LIGHT,
     deserialize,
@@ -84,8 +85,10 @@ class TrainWorker:
         self._saving: Future | None = None
         self.peak_flops = peak_flops(self.device, cfg.train.precision)  # what MFU is measured against (None on CPU)
         self.params = self.model.num_params()  # the whole model's, whatever part of it this rank holds
+        self.trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # less with LoRA
         self.replica = None  # with a layout, in a group: this rank's part (app/core/parallel.py Replica)
         self.held: dict | None = None  # with a layout, out of a group: the part's state, as layout_state.local_state
+        self.task = rewards.load(cfg.ppo.reward) if cfg.ppo.reward else None  # a PPO run's prompts and scores
 
     def info(self) -> dict:
         node = ray.get_runtime_context().get_node_id()
@@ -93,7 +96,7 @@ class TrainWorker:
             "pid": os.getpid(),
             "node": node,
             "params": self.params,
-            "trainable": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+            "trainable": self.trainable,
             "applied": self.applied,
             "peak_flops": self.peak_flops,
         }
@@ -332,6 +335,25 @@ class TrainWorker:
             data=data,
             saving=self._saving is not None and not self._saving.done(),
         )
+
+    def ppo_step(
+        self, step: int, indices: np.ndarray, beta: float, lr_scale: float, scorers: tuple, fault: dict | None = None
+    ) -> StepReport:
+        """This worker's share of a PPO step: rollouts of its prompts, then the updates (actors/rollout.py)."""
+        faults.apply(fault, self)
+        seed = step_seed(self.cfg.train.seed, step, self.rank)
+        try:
+            report = rollout.ppo_step(self, step, indices, beta, lr_scale, scorers, seed)
+        except Exception as e:
+            self._leave_broken_replica(e)
+            self._abort_group()
+            raise
+        if report.finite:
+            self.applied = step + 1
+        return report
+
+    def ppo_evaluate(self, indices: np.ndarray, scorers: tuple) -> tuple[float, int]:
+        return rollout.evaluate(self, indices, scorers)
 
     def _forward_backward(self, rows: torch.Tensor, divisor: float) -> float:
         """Micro-batches accumulate; only the last one's backward syncs, bucket by bucket as it goes."""

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"etrain: error: {e}", file=sys.stderr)
         return 2
     except Failure as e:  # raised in an actor: its own message, not Ray's traceback
-        what = "training failed" if args.func in (cmd_train, cmd_finetune) else "error"
+        what = "training failed" if args.func in (cmd_train, cmd_finetune, cmd_ppo) else "error"
         print(f"etrain: {what}: {getattr(e, 'cause', e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -85,6 +85,18 @@ def cmd_finetune(args, started_at: float) -> int:
 
     cfg = finetune_config(args.source, args.config, args.set)
     print(f"base: {cfg.finetune.base}", file=sys.stderr)
+    return _train(args, cfg, new_run_dir(cfg), started_at)
+
+
+def cmd_ppo(args, started_at: float) -> int:
+    from app.core.config import override
+    from app.core.finetune import finetune_config
+    from app.core.rewards import load
+    from app.job import new_run_dir
+
+    load(args.reward)  # a reward that cannot be loaded is refused here, before anything starts
+    cfg = override(finetune_config(args.source, args.config, args.set), {"ppo.reward": args.reward})
+    print(f"base: {cfg.finetune.base}; reward: {args.reward}", file=sys.stderr)
     return _train(args, cfg, new_run_dir(cfg), started_at)
 
 
@@ -452,6 +464,16 @@ def _parser() -> argparse.ArgumentParser:
             help="off a terminal (job logs): one progress line per interval",
         )
 
+    def with_base(p: argparse.ArgumentParser, what: str) -> None:
+        p.add_argument(
+            "--from",
+            dest="source",
+            required=True,
+            metavar="RUN_OR_CHECKPOINT",
+            help=f"{what}: a run directory (its latest checkpoint; its config, unless --config), a checkpoint "
+            "directory, or one checkpoint (step-N)",
+        )
+
     p = command(
         "train",
         cmd_train,
@@ -472,13 +494,23 @@ def _parser() -> argparse.ArgumentParser:
         "etrain finetune --from runs/base --set finetune.method=full --set optim.lr=3e-4",
     )
     with_config(p)
+    with_base(p, "the model to fine-tune")
+    with_progress(p)
+
+    p = command(
+        "ppo",
+        cmd_ppo,
+        "align a trained model to a reward with PPO (LoRA by default); resume with etrain train",
+        "etrain ppo --from runs/base --reward brackets --set train.steps=100",
+        "etrain ppo --from runs/base --reward my_reward.py:score --set finetune.method=full --set optim.lr=1e-4",
+    )
+    with_config(p)
+    with_base(p, "the policy's starting point and the frozen reference")
     p.add_argument(
-        "--from",
-        dest="source",
+        "--reward",
         required=True,
-        metavar="RUN_OR_CHECKPOINT",
-        help="a run directory (its latest checkpoint; its config, unless --config), a checkpoint directory, or one "
-        "checkpoint (step-N)",
+        metavar="NAME_OR_FILE.py:function",
+        help="a built-in task (digits, brackets, length) or a function (prompt, response) -> float",
     )
     with_progress(p)
 

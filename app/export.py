@@ -34,6 +34,7 @@ def export(run_dir: Path, out: Path, merge: bool) -> dict:
     model = build_model(cfg)
     load_trained_state(model, checkpoint.model_weights(ckpt.parts))
     state = merged_state(model) if cfg.finetune.lora_on else model.state_dict()
+    state = {k: v for k, v in state.items() if not k.startswith("value_head.")}  # a PPO run's critic: not the model
     # a plain model's config: no base, its checkpoints beside it
     plain = override(cfg, {"finetune.base": None, "finetune.base_digest": None, "checkpoint.uri": None, "faults": []})
     out.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,8 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> dict:
         "world_size": _world_size(records, t0, layout["ranks"]),
         "grad_norm": _grad_norm(records),
     }
+    if any("reward" in r for r in _of(records, "train")):  # a PPO run
+        figures["ppo"] = _ppo(records)
     plots = {name: out_dir / f"{name}.png" for name in figures}
     for name, fig in figures.items():
         fig.savefig(plots[name])
@@ -265,6 +267,31 @@ def _grad_norm(records: list[dict]) -> Figure:
             series.legend(fontsize=8)
     hist.set(xlabel="grad norm (L2, before clipping)", ylabel="steps", title="Gradient norm")
     series.set(xlabel="step", ylabel="grad norm", title="Per step")
+    return fig
+
+
+def _ppo(records: list[dict]) -> Figure:
+    """A PPO run's statistics per step: the reward (and the held-out one), the KL to the base and its coefficient,
+    the clip fraction, the policy's entropy, the value loss."""
+    fig = _figure((10, 6))
+    axes = fig.subplots(2, 3).flatten()
+    train = [r for r in _of(records, "train") if "reward" in r]
+    steps = [r["step"] for r in train]
+    held_out = [r for r in _of(records, "eval") if r.get("eval_reward") is not None]
+    panels = [
+        ("reward", "mean reward"),
+        ("kl", "KL to the base (nats/response)"),
+        ("kl_coef", "KL coefficient"),
+        ("clip_fraction", "clip fraction"),
+        ("entropy", "entropy (nats/token)"),
+        ("value_loss", "value loss"),
+    ]
+    for ax, (key, title) in zip(axes, panels):
+        ax.plot(steps, [r[key] for r in train], lw=1, label="rollouts")
+        ax.set(xlabel="step", title=title)
+    if held_out:
+        axes[0].plot([r["step"] for r in held_out], [r["eval_reward"] for r in held_out], "o-", ms=4, label="held out")
+        axes[0].legend(fontsize=8)
     return fig
 
 

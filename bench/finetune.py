@@ -6,6 +6,8 @@
    and the eval loss on the fine-tuning corpus after the same steps, beside the base's own eval loss there.
 2. LAMB vs AdamW at 8x the default global batch (128 instead of 16), from scratch, after the same samples: eval loss.
    Each at its own lr (LAMB's trust ratio makes its steps relative to each tensor's norm: it wants a larger one).
+3. PPO (LoRA) from the same base on the `digits` reward: the held-out mean reward before and after, and the KL to
+   the base at the end.
 
 Variants run in interleaved rounds; the results file holds each figure's median over them and its spread.
 
@@ -27,7 +29,7 @@ import ray
 import torch
 from rounds import publish, summary
 
-from app.core.config import load_config
+from app.core.config import load_config, override
 from app.core.finetune import build_model, finetune_config
 from app.core.records import read_jsonl
 from app.job import new_run_dir, train
@@ -54,6 +56,7 @@ SWEEP = {  # eval loss, one round (training here is deterministic: rounds agree 
     "lamb": {"3e-3": 4.2483, "9e-3": 3.3505, "2e-2": 2.6313, "4e-2": 2.6710, "8e-2": 2.8597},
 }
 LARGE_BATCH = 128  # 8x the tiny preset's 16
+PPO = ["ppo.rollouts=32", "ppo.response_len=8", "ppo.eval_prompts=128", "optim.lr=1e-2", "optim.warmup_steps=0"]
 
 
 def common(root: str, data_dir: str) -> list[str]:
@@ -106,6 +109,22 @@ def run_finetune(name: str, base_run: Path, steps: int, root: str, rnd: int, man
     return {"trainable_params": trainable, **measured(run_dir)}
 
 
+def run_ppo(base_run: Path, steps: int, root: str, rnd: int) -> dict:
+    overrides = [*PPO, f"train.steps={steps}", f"train.eval_every={steps}", f"run.root={root}", f"run.name=ppo-{rnd}"]
+    cfg = override(finetune_config(str(base_run), None, [*overrides, "checkpoint.every=0"]), {"ppo.reward": "digits"})
+    run_dir = new_run_dir(cfg)
+    train(cfg, run_dir, progress=False)
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    evals = [r["eval_reward"] for r in records if r["kind"] == "eval"]
+    steps_ = [r for r in records if r["kind"] == "train"]
+    return {
+        "reward_before": evals[0],
+        "reward_after": evals[-1],
+        "kl_last": steps_[-1]["kl"],
+        "step_s": statistics.median(r["step_time_s"] for r in steps_[len(steps_) // 4 :]),
+    }
+
+
 def run_large(name: str, steps: int, root: str, data_dir: str, rnd: int, extra: tuple[str, ...] = ()) -> dict:
     cfg = load_config(
         "tiny",
@@ -131,6 +150,8 @@ def compare(results: dict) -> dict:
                 f"{k}_checkpoint_bytes_vs_full": lora["checkpoint_bytes"] / full["checkpoint_bytes"],
                 f"{k}_step_time_vs_full": lora["step_s"] / full["step_s"],
             }
+    if "ppo" in med:
+        out["ppo_reward_gain"] = med["ppo"]["reward_after"] - med["ppo"]["reward_before"]
     if "lamb" in med and "adamw" in med:
         out["lamb_eval_loss_vs_adamw"] = med["lamb"]["eval_loss"] / med["adamw"]["eval_loss"] - 1
     return out
@@ -142,7 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--base-steps", type=int, default=300, help="pre-training steps of the base")
     parser.add_argument("--steps", type=int, default=150, help="fine-tuning steps of each LoRA / full run")
     parser.add_argument("--large-steps", type=int, default=40, help="steps of each large-batch run")
-    parser.add_argument("--only", nargs="*", choices=[*FINETUNE, *LARGE], help="run only these variants")
+    parser.add_argument("--ppo-steps", type=int, default=30, help="steps of the PPO run")
+    parser.add_argument("--only", nargs="*", choices=[*FINETUNE, *LARGE, "ppo"], help="run only these variants")
     parser.add_argument(
         "--data", default=str(Path.home() / ".cache/etrain/data"), help="where the embedded corpus is built"
     )
@@ -150,11 +172,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
-    wanted = [k for k in [*FINETUNE, *LARGE] if not args.only or k in args.only]
+    wanted = [k for k in [*FINETUNE, "ppo", *LARGE] if not args.only or k in args.only]
     runs: dict[str, list[dict]] = {k: [] for k in wanted}
     with tempfile.TemporaryDirectory(prefix="etrain-bench-finetune-") as root:
         base, manifest, base_loss = None, None, None
-        if set(wanted) & set(FINETUNE):
+        if set(wanted) & {*FINETUNE, "ppo"}:
             started = time.perf_counter()
             cfg = load_config("tiny", [*common(root, args.data), "run.name=base", f"train.steps={args.base_steps}"])
             base = new_run_dir(cfg)
@@ -171,6 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
                 started = time.perf_counter()
                 if name in FINETUNE:
                     result = run_finetune(name, base, args.steps, root, rnd, manifest)
+                elif name == "ppo":
+                    result = run_ppo(base, args.ppo_steps, root, rnd)
                 else:
                     result = run_large(name, args.large_steps, root, args.data, rnd)
                 runs[name].append(result)
@@ -181,7 +205,12 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "machine": "2 cores, tiny GPT (2 layers, 128 wide), 2 workers, gloo",
         "rounds": args.rounds,
-        "steps": {"base": args.base_steps, "finetune": args.steps, "large_batch": args.large_steps},
+        "steps": {
+            "base": args.base_steps,
+            "finetune": args.steps,
+            "large_batch": args.large_steps,
+            "ppo": args.ppo_steps,
+        },  # fmt: skip
         "base_eval_loss_on_finetune_corpus": base_loss,
         "sweep": SWEEP,
         "variants": results,

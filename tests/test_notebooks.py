@@ -72,7 +72,8 @@ def test_hpo_notebook_searches_and_plots(data_dir, tmp_path):
     assert images(nb) == 3  # history, importances, learning curve
 
 
-def test_finetune_notebook_fine_tunes_with_lora_and_fully_and_exports(data_dir, tmp_path):
-    env = {"ETRAIN_NB_STEPS": "20", "ETRAIN_NB_FT_STEPS": "10", "ETRAIN_NB_DATA": data_dir, "ETRAIN_NB_SET": SMALL}
-    nb = execute("04_finetune.ipynb", env, tmp_path / "tmp")
-    assert images(nb) == 1  # the learning curves; the notebook asserts the parameter share and the merged logits
+def test_finetune_notebook_fine_tunes_exports_and_runs_ppo(data_dir, tmp_path):
+    env = {"ETRAIN_NB_STEPS": "20", "ETRAIN_NB_FT_STEPS": "10", "ETRAIN_NB_PPO_STEPS": "3", "ETRAIN_NB_DATA": data_dir}
+    nb = execute("04_finetune.ipynb", env | {"ETRAIN_NB_SET": SMALL}, tmp_path / "tmp")
+    # the learning curves, PPO's reward and KL; the notebook asserts the parameter share and the merged logits
+    assert images(nb) == 2

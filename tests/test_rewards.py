@@ -67,3 +67,10 @@ def test_sampling_is_seeded_and_at_a_low_temperature_follows_the_model():
     greedy = sample(model, prompts, 1, 1e-4, torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(greedy[:, -1], model.logits(prompts)[:, -1].argmax(-1))
+
+
+def test_etrain_ppo_refuses_a_reward_it_cannot_load_before_anything_starts(tmp_path, capsys):
+    from app.cli import main
+
+    assert main(["ppo", "--from", str(tmp_path), "--reward", "sentiment"]) == 2
+    assert "name a built-in task (digits, brackets, length) or FILE.py:function" in capsys.readouterr().err

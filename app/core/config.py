@@ -408,6 +408,31 @@ class FinetuneConfig(Section):
         return self.base is not None and self.method == "lora"
 
 
+class PPOConfig(Section):
+    """Reinforcement learning from a reward (`etrain ppo`): the policy (the fine-tuned model, with a value head)
+    samples responses to the reward task's prompts, the reward scores them, and PPO updates the policy with a
+    per-token KL penalty against the frozen base. See app/core/ppo.py."""
+
+    reward: str | None = Field(
+        None, description="a built-in task (digits, brackets, length) or FILE.py:function; set by etrain ppo"
+    )
+    prompt_len: int = Field(16, ge=1, description="prompts are cut or left-padded (with the separator) to this")
+    response_len: int = Field(24, ge=1, description="tokens sampled per response (a separator ends one early)")
+    rollouts: int = Field(32, ge=1, description="responses per PPO step, over all workers")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts and evaluations")
+    epochs: int = Field(2, ge=1, description="passes of PPO updates over each step's rollouts")
+    minibatches: int = Field(2, ge=1, description="updates per pass (each worker splits its rollouts as many ways)")
+    clip: float = Field(0.2, gt=0, description="the policy ratio's clip range")
+    value_clip: float = Field(0.2, gt=0, description="the value's clip range around the rollout's")
+    value_coef: float = Field(0.1, ge=0, description="weight of the value loss beside the policy loss")
+    gamma: float = Field(1.0, gt=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda")
+    kl_coef: float = Field(0.05, ge=0, description="the KL penalty's initial coefficient (beta)")
+    kl_target: float = Field(6.0, gt=0, description="the per-response KL (nats) beta is adapted towards")
+    kl_horizon: int = Field(10_000, ge=1, description="responses over which beta adapts (Ziegler et al.)")
+    eval_prompts: int = Field(64, ge=1, description="held-out prompts whose mean reward each evaluation measures")
+
+
 class RunConfig(Section):
     root: str = Field("runs", description="parent directory of run directories")
     name: str | None = Field(None, description="run directory name; default a timestamp")
@@ -425,6 +450,7 @@ class Config(Section):
     cluster: ClusterConfig = ClusterConfig()
     parallel: ParallelConfig = ParallelConfig()
     finetune: FinetuneConfig = FinetuneConfig()
+    ppo: PPOConfig = PPOConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     run: RunConfig = RunConfig()
     faults: list[Fault] = Field([], description="injected failures (testing); see Fault")
@@ -471,6 +497,8 @@ class Config(Section):
                 "comm.mode=ps runs AdamW on its shards and checkpoints at its quiet steps (checkpoint.every): "
                 "optim.name=lamb and checkpoint.every_s apply to allreduce only"
             )
+        if self.ppo.reward is not None:
+            self._check_ppo()
         if self.comm.mode == "ps" and self.finetune.lora_on:
             raise ValueError(
                 "finetune.method=lora trains adapters on frozen weights; comm.mode=ps shards every weight: use "
@@ -515,6 +543,34 @@ class Config(Section):
                 f"cluster.num_workers={self.cluster.num_workers} (it is the per-worker batch times the workers)"
             )
         return self
+
+    def _check_ppo(self) -> None:
+        ppo = self.ppo
+        if self.finetune.base is None:
+            raise ValueError("ppo.reward trains a trained model: start PPO runs with `etrain ppo --from RUN`")
+        refused = {
+            "comm.mode=ps": self.comm.mode == "ps",
+            f"comm.compression={self.comm.compression}": self.comm.compression in ("topk", "powersgd"),
+            "train.precision=fp16": self.train.precision == "fp16",
+            "train.batch_scaling=linear": self.train.batch_scaling == "linear",
+            "parallel.tp × parallel.pp > 1": self.parallel.ranks > 1,
+        }
+        if used := [name for name, on in refused.items() if on]:
+            raise ValueError(
+                f"ppo.reward (a PPO run) does not support {', '.join(used)}: several updates per step share one "
+                "rollout, which these do not allow for; leave them out"
+            )
+        most = max(self.cluster.num_workers, self.cluster.max_workers or 0)
+        if ppo.rollouts < most * ppo.minibatches:
+            raise ValueError(
+                f"ppo.rollouts={ppo.rollouts} is below {most} worker(s) × ppo.minibatches={ppo.minibatches}: every "
+                "worker needs a rollout for each of its updates"
+            )
+        if ppo.prompt_len + ppo.response_len > self.model.seq_len:
+            raise ValueError(
+                f"ppo.prompt_len + ppo.response_len = {ppo.prompt_len + ppo.response_len} exceeds "
+                f"model.seq_len={self.model.seq_len}"
+            )
 
     @model_validator(mode="after")
     def _layout(self) -> Config:

@@ -30,6 +30,8 @@ def build_model(cfg: Config) -> GPT:
     load_base(model, ft)
     if ft.method == "lora":
         add_adapters(model, ft.lora)
+    if cfg.ppo.reward is not None:  # after the adapters: it trains, whatever the method
+        model.add_value_head()
     return model
 
 

@@ -86,6 +86,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.embed.weight
+        self.value_head: nn.Linear | None = None  # PPO's critic (add_value_head)
         self.apply(self._init)
         # GPT-2's scaled init of residual projections keeps the residual stream's variance flat in depth.
         for name, p in self.named_parameters():
@@ -97,16 +98,32 @@ class GPT(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, values: bool = False):
+        """(logits, loss), or with `values` (logits, the value head's estimate at each position): through one
+        forward, as DDP needs every trained parameter to be used by it."""
+        if values:
+            hidden = self.norm(self.trunk(idx))
+            return self.head(hidden), self.value_head(hidden).squeeze(-1)
         logits = self.logits(idx)
         if targets is None:
             return logits, None
         loss = next_token_loss(logits, targets)
         return logits, loss
 
+    def add_value_head(self) -> None:
+        """A critic beside the language-model head, started at zero: PPO's first advantages are its returns."""
+        self.value_head = nn.Linear(self.cfg.d_model, 1).to(self.head.weight.device)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Through the parts this model holds: a pipeline stage (app/core/parallel.py) takes token ids or hidden
         states and gives hidden states or logits."""
+        x = self.trunk(x)
+        return x if self.head is None else self.head(self.norm(x))
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        """Embedding (on the first stage) and the blocks: the hidden states before the final norm."""
         if self.embed is not None:
             idx, x = x, self.embed(x)
             if self.pos is not None:
@@ -114,7 +131,7 @@ class GPT(nn.Module):
             x = self.drop(x)
         for block in self.blocks.values():
             x = block(x)
-        return x if self.head is None else self.head(self.norm(x))
+        return x
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -75,6 +75,7 @@ class Train(Record):
 class Eval(Record):
     kind: ClassVar[str] = "eval"
     eval_loss: float
+    eval_reward: float | None = None  # a PPO run's mean reward on held-out prompts
 
 
 @dataclass

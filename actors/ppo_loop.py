@@ -1,0 +1,62 @@
+"""A PPO step as a transaction on the coordinator: Stepper's, with each worker's share of the step's prompts in
+place of a data batch (actors/rollout.py does the work), the KL coefficient the steps adapt, and the evaluation of
+the policy's mean reward on held-out prompts."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from actors.gather import WorkersLost
+from actors.step import Outcome, Position, Stepper, StepReport
+from app.core.ppo import AdaptiveKL
+
+MEANS = ("reward", "kl", "response_len", "clip_fraction", "entropy", "value_loss", "policy_loss")
+
+
+class PPOStepper(Stepper):
+    def __init__(self, *args, scorers: tuple):
+        super().__init__(*args)
+        ppo = self.cfg.ppo
+        self.scorers = scorers
+        self.kl = AdaptiveKL(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
+        self.tokens_per_sample = ppo.prompt_len + ppo.response_len
+
+    def run(self, at: Position) -> Outcome:
+        started = time.perf_counter()
+        workers, n, count = self.team.workers, at.step + 1, self.cfg.ppo.rollouts
+        shares = np.array_split(np.arange(at.cursor, at.cursor + count), len(workers))  # prompt indices
+        faults = self.faults.due(n)
+        refs = [
+            w.ppo_step.remote(at.step, ids, self.kl.beta, self.guards.lr_scale, self.scorers, faults.get(rank))
+            for rank, (w, ids) in enumerate(zip(workers, shares))
+        ]
+        try:
+            reports: list[StepReport] = self.team.gather(refs, workers, f"step {n}", self.cfg.timeouts.step_s)
+        except WorkersLost as gone:
+            survivors = [done for w, done in zip(workers, gone.finished) if w not in gone.lost]
+            if survivors and all(survivors):  # every update's all-reduce had every share in it
+                self.commit(at, count, None, 0.0)
+            return Outcome(lost=gone.lost, since=started)
+        if not all(r.finite for r in reports):
+            return Outcome(diverged=True)
+        means = {k: sum(r.ppo[k] for r in reports) / count for k in MEANS}
+        extra = {**means, "kl_coef": self.kl.beta}
+        self.kl.update(means["kl"], count)
+        self.commit(at, count, reports, time.perf_counter() - started, extra)
+        return Outcome()
+
+    def reward(self, timeout: float) -> float:
+        """The policy's mean reward on the held-out prompts, split over the members. WorkersLost as evaluate."""
+        workers = self.team.workers
+        shares = np.array_split(np.arange(self.cfg.ppo.eval_prompts), len(workers))
+        refs = [w.ppo_evaluate.remote(ids, self.scorers) for w, ids in zip(workers, shares)]
+        results = self.team.gather(refs, workers, "reward evaluation", timeout)
+        return sum(r[0] for r in results) / sum(r[1] for r in results)
+
+    def state(self) -> dict:
+        return {"kl_coef": self.kl.beta}
+
+    def load(self, meta: dict) -> None:
+        self.kl.beta = meta.get("kl_coef", self.cfg.ppo.kl_coef)

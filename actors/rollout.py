@@ -1,0 +1,152 @@
+"""One worker's part of a PPO step (actors/worker.py `ppo_step`), read top to bottom: draw the step's prompts,
+sample a response to each with the policy, have the reward score them and the reference measure them, turn the
+rewards into advantages whitened over every worker's rollouts, then run the PPO updates, each through DDP.
+
+Prompts depend on the run's seed and their index alone, and sampling on (seed, step, rank): a resumed run draws
+and samples what the run that went on did.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import ray
+import torch
+import torch.distributed as dist
+
+from actors.step import StepReport
+from app.core.model import sample
+from app.core.ppo import (
+    entropy,
+    gae,
+    moments,
+    policy_loss,
+    prompt_tokens,
+    response_mask,
+    response_texts,
+    token_logprobs,
+    token_rewards,
+    value_loss,
+    whiten,
+)
+from app.core.rewards import Task
+
+NO_DATA = {"hits": 0, "misses": 0, "wait_s": 0.0}  # prompts come from the task, not the shard cache
+
+
+def prompts_for(task: Task, seed: int, indices, stream: str = "train") -> list[str]:
+    """The prompts of these indices: held-out ones (`stream` "eval") never meet the training ones."""
+    return [task.prompt(random.Random(f"{stream}:{seed}:{i}")) for i in indices]
+
+
+def ppo_step(worker, step: int, indices, beta: float, lr_scale: float, scorers: tuple, seed: int) -> StepReport:
+    cfg, ppo = worker.cfg, worker.cfg.ppo
+    started = time.perf_counter()
+    worker.model.eval()  # no dropout anywhere: the first update's ratio is exactly 1
+    prompts = prompts_for(worker.task, cfg.train.seed, indices)
+    generator = torch.Generator(worker.device).manual_seed(seed)
+    sequences, responses, mask, texts = rollouts(worker, prompts, generator)
+    reference, rewarder = scorers
+    asked = [reference.logprobs.remote(sequences.cpu(), ppo.prompt_len), rewarder.score.remote(prompts, texts)]
+    with torch.no_grad(), worker._autocast():
+        logits, values = worker.model(sequences, values=True)
+    old_logp = token_logprobs(logits[:, ppo.prompt_len - 1 : -1], responses)
+    old_values = values[:, ppo.prompt_len - 1 : -1].float() * mask
+    ref_logp, scores = ray.get(asked)
+    ref_logp, scores = ref_logp.to(worker.device), torch.tensor(scores, device=worker.device)
+    rewards = token_rewards(scores, old_logp, ref_logp, mask, beta)
+    advantages, returns = gae(rewards, old_values, mask, ppo.gamma, ppo.lam)
+    sums = moments(advantages, mask)
+    if worker.world > 1:  # whitened over every worker's rollouts
+        dist.all_reduce(sums)
+    advantages = whiten(advantages, sums, mask)
+    computing = time.perf_counter()
+    stats = update(worker, sequences, responses, mask, old_logp, old_values, advantages, returns, lr_scale, generator)
+    n, share = len(indices), len(indices) / ppo.rollouts
+    kl = ((old_logp - ref_logp) * mask).sum(1)  # per response, in nats
+    return StepReport(
+        finite=math.isfinite(stats["grad_norm"]),
+        skipped=False,
+        loss=stats["loss"] * share,
+        grad_norm=stats["grad_norm"],
+        lr=worker.optimizer.param_groups[0]["lr"],
+        samples=n,
+        compute_s=time.perf_counter() - computing,
+        communication_s=0.0,
+        worker_s=time.perf_counter() - started,
+        comm_bytes=0,
+        dense_bytes=0,
+        optimizer_bytes=worker.optimizer_bytes(),
+        data=NO_DATA,
+        saving=worker._saving is not None and not worker._saving.done(),
+        ppo={
+            "reward": scores.sum().item(),
+            "kl": kl.sum().item(),
+            "response_len": mask.sum().item(),
+            **{k: stats[k] * n for k in ("clip_fraction", "entropy", "value_loss", "policy_loss")},
+        },
+    )
+
+
+def rollouts(worker, prompts: list[str], generator: torch.Generator):
+    """(sequences (B, P + T), responses (B, T), their mask, their texts), sampled by the policy."""
+    ppo = worker.cfg.ppo
+    with worker._autocast():
+        sequences = sample(
+            worker.model,
+            prompt_tokens(prompts, ppo.prompt_len).to(worker.device),
+            ppo.response_len,
+            ppo.temperature,
+            generator,
+        )
+    responses = sequences[:, ppo.prompt_len :]
+    mask = response_mask(responses)
+    return sequences, responses, mask, response_texts(responses.cpu(), mask.cpu())
+
+
+def update(worker, sequences, responses, mask, old_logp, old_values, advantages, returns, lr_scale, generator) -> dict:
+    """ppo.epochs passes of ppo.minibatches updates; every rank runs as many, so DDP's all-reduces pair up."""
+    cfg, ppo, p = worker.cfg, worker.cfg.ppo, worker.cfg.ppo.prompt_len
+    totals = dict.fromkeys(("loss", "policy_loss", "value_loss", "clip_fraction", "entropy"), 0.0)
+    updates, grad_norm = ppo.epochs * ppo.minibatches, 0.0
+    for _ in range(ppo.epochs):
+        order = torch.randperm(len(sequences), generator=generator, device=worker.device)
+        for part in order.tensor_split(ppo.minibatches):
+            worker.optimizer.zero_grad(set_to_none=True)
+            with worker._autocast():
+                logits, values = worker.ddp(sequences[part], values=True)
+            logits, values = logits[:, p - 1 : -1], values[:, p - 1 : -1].float()
+            logp = token_logprobs(logits, responses[part])
+            pg, clipped = policy_loss(logp, old_logp[part], advantages[part], mask[part], ppo.clip)
+            vf = value_loss(values, old_values[part], returns[part], mask[part], ppo.value_clip)
+            loss = pg + ppo.value_coef * vf
+            loss.backward()
+            clip = cfg.optim.grad_clip or float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(worker.model.parameters(), clip).item()
+            if not math.isfinite(grad_norm):  # nobody steps: the coordinator goes back to the last checkpoint
+                return totals | {"grad_norm": grad_norm}
+            for group, lr in zip(worker.optimizer.param_groups, worker.scheduler.get_last_lr()):
+                group["lr"] = lr * lr_scale
+            worker.optimizer.step()
+            with torch.no_grad():
+                ent = entropy(logits.detach(), mask[part]).item()
+            for key, value in (("loss", loss), ("policy_loss", pg), ("value_loss", vf), ("clip_fraction", clipped)):
+                totals[key] += float(value.detach()) / updates
+            totals["entropy"] += ent / updates
+    worker.scheduler.step()
+    return totals | {"grad_norm": grad_norm}
+
+
+@torch.no_grad()
+def evaluate(worker, indices, scorers: tuple) -> tuple[float, int]:
+    """Sum of the rewards of held-out prompts' responses (sampled at the rollout temperature), and their count."""
+    if not len(indices):
+        return 0.0, 0
+    worker.model.eval()
+    prompts = prompts_for(worker.task, worker.cfg.train.seed, indices, stream="eval")
+    generator = torch.Generator(worker.device).manual_seed(int(indices[0]))
+    _, _, _, texts = rollouts(worker, prompts, generator)
+    scores = ray.get(scorers[1].score.remote(prompts, texts))
+    return float(sum(scores)), len(scores)

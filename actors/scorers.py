@@ -1,0 +1,50 @@
+"""What a PPO step asks of others: the frozen reference model's log-probabilities (the KL penalty is measured
+against it) and the reward's scores. Each is one Ray actor per job, started by the coordinator with no CPU of its
+own reserved: they run while the workers wait on them (on a GPU cluster, give the reference a GPU of its own)."""
+
+from __future__ import annotations
+
+import math
+
+import ray
+import torch
+
+from app.core.config import Config
+from app.core.finetune import load_base
+from app.core.model import GPT
+from app.core.ppo import token_logprobs
+from app.core.rewards import load
+
+
+class Reference:
+    """The base model the run started from, as it was: LoRA or full, the policy moves away from it."""
+
+    def __init__(self, cfg_dict: dict):
+        cfg = Config.model_validate(cfg_dict)
+        torch.set_num_threads(1)
+        self.model = GPT(cfg.model).eval()
+        load_base(self.model, cfg.finetune)
+
+    @torch.no_grad()
+    def logprobs(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """(B, T): log pi_ref of each response token of `sequences` (B, prompt_len + T)."""
+        logits = self.model.logits(sequences)[:, prompt_len - 1 : -1]
+        return token_logprobs(logits, sequences[:, prompt_len:])
+
+
+class Rewarder:
+    def __init__(self, spec: str):
+        self.task = load(spec)
+
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        scores = [float(self.task.score(p, r)) for p, r in zip(prompts, responses)]
+        if bad := [s for s in scores if not math.isfinite(s)]:
+            raise ValueError(f"reward {self.task.name} returned {bad[0]} for a response: scores must be finite")
+        return scores
+
+
+def start(cfg: Config) -> tuple:
+    """(reference, rewarder) for a PPO run."""
+    reference = ray.remote(Reference).options(num_cpus=0).remote(cfg.model_dump())
+    rewarder = ray.remote(Rewarder).options(num_cpus=0).remote(cfg.ppo.reward)
+    return reference, rewarder
