@@ -31,7 +31,7 @@ from actors.faults import FaultPlan
 from actors.gather import WorkersLost
 from actors.guards import Guards
 from actors.membership import Loss, Team
-from actors.ppo_loop import PPOStepper
+from actors.ppo_step import PPOStepper
 from actors.ps_mode import PSTraining
 from actors.runlog import RunLog
 from actors.saving import RewindPoint, Saver
@@ -108,8 +108,8 @@ class Coordinator:
         self.saved_step = self.evaluated_step = self.at.step
         if self.scorers and self.at.step == 0:  # PPO: the base policy's reward first, to measure the rise against
             self.evaluated_step = -1
-        if self.cfg.comm.zero and self.saver.latest(self.cfg.hash()) is None:
-            self.loss = self._checkpoint()  # something to go back to when a worker is lost with its optimizer shard
+        if (self.cfg.comm.zero or self.scorers) and self.saver.latest(self.cfg.hash()) is None:
+            self.loss = self._checkpoint()  # something to go back to when a worker is lost (see _recover)
         self.team.refill()
 
     def _decide(self) -> State:
@@ -178,13 +178,13 @@ class Coordinator:
         return self.team.resize(self.at, whole)
 
     def _recover(self) -> Loss | None:
-        """With ZeRO-1 the lost workers took their optimizer shards along: everyone goes back to the last checkpoint."""
+        """With ZeRO-1 the lost workers took their optimizer shards along, and in a PPO step the survivors may have
+        made some of its updates: everyone goes back to the last checkpoint."""
         self.saver.finish()  # a lost writer fails it; the others' parts are of a good step
         whole = None
-        if self._sharded():
-            point = self.saver.rollback_point(
-                self.cfg.hash(), "a worker lost with its ZeRO-1 optimizer shard", self.hint
-            )
+        if self._sharded() or self.scorers:
+            why = "a worker lost in a PPO step" if self.scorers else "a worker lost with its ZeRO-1 optimizer shard"
+            point = self.saver.rollback_point(self.cfg.hash(), why, self.hint)
             self._rewind(point, "rollback")
             whole = ray.put(point.ckpt.parts)
         return self.team.recover(self.loss, self.at, whole)
@@ -353,6 +353,12 @@ class Coordinator:
             )
         if self.cfg.comm.mode == "ps":
             raise ValueError("a parameter-server run (comm.mode=ps) keeps its workers: it cannot be resized")
+        ppo = self.cfg.ppo
+        if self.scorers and workers * ppo.minibatches > ppo.rollouts:
+            raise ValueError(
+                f"{workers} workers × ppo.minibatches={ppo.minibatches} exceed ppo.rollouts={ppo.rollouts}: every "
+                "worker needs a rollout for each of its updates"
+            )
         if self.cfg.train.batch_scaling == "constant" and workers > self.cfg.train.global_batch:
             raise ValueError(
                 f"workers must not exceed train.global_batch={self.cfg.train.global_batch} (every worker needs a "

@@ -37,14 +37,15 @@ NO_DATA = {"hits": 0, "misses": 0, "wait_s": 0.0}  # prompts come from the task,
 
 
 def prompts_for(task: Task, seed: int, indices, stream: str = "train") -> list[str]:
-    """The prompts of these indices: held-out ones (`stream` "eval") never meet the training ones."""
+    """The prompts of these indices, from their own random stream: the evaluation's ("eval") is another draw than
+    the training's (a task with few distinct prompts repeats them in both)."""
     return [task.prompt(random.Random(f"{stream}:{seed}:{i}")) for i in indices]
 
 
-def ppo_step(worker, step: int, indices, beta: float, lr_scale: float, scorers: tuple, seed: int) -> StepReport:
+def ppo_step(worker, indices, beta: float, lr_scale: float, scorers: tuple, seed: int) -> StepReport:
     cfg, ppo = worker.cfg, worker.cfg.ppo
     started = time.perf_counter()
-    worker.model.eval()  # no dropout anywhere: the first update's ratio is exactly 1
+    worker.model.eval()  # no dropout anywhere: the first update's ratio is 1 (up to the precision's rounding)
     prompts = prompts_for(worker.task, cfg.train.seed, indices)
     generator = torch.Generator(worker.device).manual_seed(seed)
     sequences, responses, mask, texts = rollouts(worker, prompts, generator)
@@ -71,7 +72,7 @@ def ppo_step(worker, step: int, indices, beta: float, lr_scale: float, scorers: 
         skipped=False,
         loss=stats["loss"] * share,
         grad_norm=stats["grad_norm"],
-        lr=worker.optimizer.param_groups[0]["lr"],
+        lr=stats["lr"],
         samples=n,
         compute_s=time.perf_counter() - computing,
         communication_s=0.0,
@@ -109,7 +110,7 @@ def rollouts(worker, prompts: list[str], generator: torch.Generator):
 def update(worker, sequences, responses, mask, old_logp, old_values, advantages, returns, lr_scale, generator) -> dict:
     """ppo.epochs passes of ppo.minibatches updates; every rank runs as many, so DDP's all-reduces pair up."""
     cfg, ppo, p = worker.cfg, worker.cfg.ppo, worker.cfg.ppo.prompt_len
-    totals = dict.fromkeys(("loss", "policy_loss", "value_loss", "clip_fraction", "entropy"), 0.0)
+    totals = dict.fromkeys(("loss", "policy_loss", "value_loss", "clip_fraction", "entropy", "lr"), 0.0)
     updates, grad_norm = ppo.epochs * ppo.minibatches, 0.0
     for _ in range(ppo.epochs):
         order = torch.randperm(len(sequences), generator=generator, device=worker.device)
@@ -130,6 +131,7 @@ def update(worker, sequences, responses, mask, old_logp, old_values, advantages,
             for group, lr in zip(worker.optimizer.param_groups, worker.scheduler.get_last_lr()):
                 group["lr"] = lr * lr_scale
             worker.optimizer.step()
+            totals["lr"] = worker.optimizer.param_groups[0]["lr"]  # the step's, before the schedule moves on
             with torch.no_grad():
                 ent = entropy(logits.detach(), mask[part]).item()
             for key, value in (("loss", loss), ("policy_loss", pg), ("value_loss", vf), ("clip_fraction", clipped)):

@@ -1,6 +1,7 @@
 """What a PPO step asks of others: the frozen reference model's log-probabilities (the KL penalty is measured
-against it) and the reward's scores. Each is one Ray actor per job, started by the coordinator with no CPU of its
-own reserved: they run while the workers wait on them (on a GPU cluster, give the reference a GPU of its own)."""
+against it) and the reward's scores. Each is one Ray actor per job, on CPU, started by the coordinator with no CPU
+of its own reserved: they run while the workers wait on them, one call at a time. Neither holds state, so Ray
+restarts one that dies and retries the call."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class Rewarder:
 
 def start(cfg: Config) -> tuple:
     """(reference, rewarder) for a PPO run."""
-    reference = ray.remote(Reference).options(num_cpus=0).remote(cfg.model_dump())
-    rewarder = ray.remote(Rewarder).options(num_cpus=0).remote(cfg.ppo.reward)
+    again = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": -1}
+    reference = ray.remote(Reference).options(**again).remote(cfg.model_dump())
+    rewarder = ray.remote(Rewarder).options(**again).remote(cfg.ppo.reward)
     return reference, rewarder

@@ -343,7 +343,7 @@ class TrainWorker:
         faults.apply(fault, self)
         seed = step_seed(self.cfg.train.seed, step, self.rank)
         try:
-            report = rollout.ppo_step(self, step, indices, beta, lr_scale, scorers, seed)
+            report = rollout.ppo_step(self, indices, beta, lr_scale, scorers, seed)
         except Exception as e:
             self._leave_broken_replica(e)
             self._abort_group()

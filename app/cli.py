@@ -91,11 +91,11 @@ def cmd_finetune(args, started_at: float) -> int:
 def cmd_ppo(args, started_at: float) -> int:
     from app.core.config import override
     from app.core.finetune import finetune_config
-    from app.core.rewards import load
+    from app.core.rewards import load, resolve
     from app.job import new_run_dir
 
-    load(args.reward)  # a reward that cannot be loaded is refused here, before anything starts
-    cfg = override(finetune_config(args.source, args.config, args.set), {"ppo.reward": args.reward})
+    reward = load(resolve(args.reward)).name  # a reward that cannot be loaded: refused first, in one line
+    cfg = override(finetune_config(args.source, args.config, args.set), {"ppo.reward": reward})
     print(f"base: {cfg.finetune.base}; reward: {args.reward}", file=sys.stderr)
     return _train(args, cfg, new_run_dir(cfg), started_at)
 

@@ -36,7 +36,8 @@ def export(run_dir: Path, out: Path, merge: bool) -> dict:
     state = merged_state(model) if cfg.finetune.lora_on else model.state_dict()
     state = {k: v for k, v in state.items() if not k.startswith("value_head.")}  # a PPO run's critic: not the model
     # a plain model's config: no base, its checkpoints beside it
-    plain = override(cfg, {"finetune.base": None, "finetune.base_digest": None, "checkpoint.uri": None, "faults": []})
+    cleared = ("finetune.base", "finetune.base_digest", "ppo.reward", "checkpoint.uri")
+    plain = override(cfg, {**dict.fromkeys(cleared), "faults": []})
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(plain.to_yaml())
     step = ckpt.meta["step"]

@@ -117,6 +117,10 @@ def train(
         from app.core.finetune import check_base
 
         check_base(cfg)
+    if cfg.ppo.reward is not None:  # a reward that cannot be loaded: refused here, not in every worker
+        from app.core.rewards import load
+
+        load(cfg.ppo.reward)
     lease = acquire(checkpoint_uri(cfg, run_dir), run_dir.name, cfg.timeouts.lease_s)
     try:
         return _run(cfg, run_dir, resume, started_at, Progress(cfg.train.steps, progress, log_every), on_eval, lease)

@@ -60,3 +60,15 @@ def test_a_ppo_run_that_dies_resumes_bitwise(base_run, reference):
         (r["loss"], r["reward"], r["kl_coef"]) for r in theirs
     ]
     assert records(run_dir, "resume")[0]["step"] == 8
+
+
+def test_a_worker_lost_mid_step_sends_the_run_back_to_its_checkpoint_and_it_learns_the_same(base_run, reference):
+    """The lost rank dies inside the first update's all-reduce: the survivors may have begun the step's updates, so
+    the run goes back to step 8's checkpoint, a pool worker takes the rank's place, and steps 9-16 come out as the
+    uninterrupted run's."""
+    cfg = ppo_config(base_run, "run.name=ppo-lost", "faults=[{rank: 1, step: 10, kind: kill_in_allreduce}]")
+    train(cfg, run_dir := new_run_dir(cfg), progress=False)
+    assert records(run_dir, "rollback")[0]["step"] == 8
+    assert [r["reason"] for r in records(run_dir, "membership")] == ["recover"]
+    ours, theirs = records(run_dir, "train"), records(reference, "train")
+    assert [(r["loss"], r["reward"]) for r in ours] == [(r["loss"], r["reward"]) for r in theirs]

@@ -425,7 +425,7 @@ class PPOConfig(Section):
     clip: float = Field(0.2, gt=0, description="the policy ratio's clip range")
     value_clip: float = Field(0.2, gt=0, description="the value's clip range around the rollout's")
     value_coef: float = Field(0.1, ge=0, description="weight of the value loss beside the policy loss")
-    gamma: float = Field(1.0, gt=0, le=1)
+    gamma: float = Field(1.0, gt=0, le=1, description="the discount over a response's tokens")
     lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda")
     kl_coef: float = Field(0.05, ge=0, description="the KL penalty's initial coefficient (beta)")
     kl_target: float = Field(6.0, gt=0, description="the per-response KL (nats) beta is adapted towards")
@@ -554,6 +554,8 @@ class Config(Section):
             "train.precision=fp16": self.train.precision == "fp16",
             "train.batch_scaling=linear": self.train.batch_scaling == "linear",
             "parallel.tp × parallel.pp > 1": self.parallel.ranks > 1,
+            "checkpoint.every=0": self.checkpoint.every == 0,  # a worker lost mid-step: back to the last checkpoint
+            "faults of kind slow, nan or spike": any(f.kind in ("slow", "nan", "spike") for f in self.faults),
         }
         if used := [name for name, on in refused.items() if on]:
             raise ValueError(

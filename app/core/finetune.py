@@ -58,7 +58,7 @@ def base_weights(ft: FinetuneConfig) -> dict[str, torch.Tensor]:
         raise ConfigError(f"finetune.base: {e}") from None
     except STORAGE_ERRORS as e:
         raise ConfigError(f"finetune.base {ft.base} cannot be read: {describe(e)}") from None
-    weights = checkpoint.model_weights(ckpt.parts)
+    weights = model_only(checkpoint.model_weights(ckpt.parts))
     digest = checkpoint.weights_digest(weights)
     if ft.base_digest is not None and digest != ft.base_digest:
         raise ConfigError(
@@ -79,6 +79,11 @@ def load_base(model: GPT, ft: FinetuneConfig) -> None:
             f"finetune.base {ft.base} holds weights of another model shape ({first[0].strip()}); the run's model "
             "section must be the base run's"
         ) from None
+
+
+def model_only(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights without a PPO run's value head: the language model a base is."""
+    return {n: t for n, t in weights.items() if not n.startswith("value_head.")}
 
 
 def trained_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -129,7 +134,7 @@ def resolve_base(source: str) -> tuple[str, str, Config | None]:
         raise ConfigError(f"--from {source}: {e}") from None
     except STORAGE_ERRORS as e:
         raise ConfigError(f"--from {source} cannot be read: {describe(e)}") from None
-    weights = checkpoint.model_weights(ckpt.parts)
+    weights = model_only(checkpoint.model_weights(ckpt.parts))
     if any(is_adapter(n) for n in weights):
         raise ConfigError(
             f"--from {source}: {ckpt.path} holds a LoRA run's adapters, not a whole model; export it with "
@@ -150,7 +155,7 @@ def finetune_config(source: str, config: str | None, overrides: list[str]) -> Co
     start: str | dict | None = config
     if config is None and base_cfg is not None:
         raw = base_cfg.model_dump()
-        raw |= {"faults": [], "finetune": {}}
+        raw |= {"faults": [], "finetune": {}, "ppo": {}}
         raw["run"]["name"] = raw["checkpoint"]["uri"] = None
         start = raw
     cfg = load_config(start, overrides)

@@ -111,7 +111,7 @@ class GPT(nn.Module):
         return logits, loss
 
     def add_value_head(self) -> None:
-        """A critic beside the language-model head, started at zero: PPO's first advantages are its returns."""
+        """A critic beside the language-model head, started at zero: its first estimates are 0."""
         self.value_head = nn.Linear(self.cfg.d_model, 1).to(self.head.weight.device)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)

@@ -84,6 +84,13 @@ TASKS = {
 }
 
 
+def resolve(spec: str) -> str:
+    """`spec` with a user's file as an absolute path: workers, a resumed run and the reward actor load it later,
+    from directories of their own."""
+    path, _, name = spec.rpartition(":")
+    return f"{Path(path).expanduser().resolve()}:{name}" if path.endswith(".py") else spec
+
+
 def load(spec: str) -> Task:
     """A built-in task by name, or FILE.py:function; ConfigError naming what is wrong."""
     if spec in TASKS:

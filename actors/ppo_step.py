@@ -34,10 +34,7 @@ class PPOStepper(Stepper):
         ]
         try:
             reports: list[StepReport] = self.team.gather(refs, workers, f"step {n}", self.cfg.timeouts.step_s)
-        except WorkersLost as gone:
-            survivors = [done for w, done in zip(workers, gone.finished) if w not in gone.lost]
-            if survivors and all(survivors):  # every update's all-reduce had every share in it
-                self.commit(at, count, None, 0.0)
+        except WorkersLost as gone:  # the recovery goes back to the last checkpoint (the coordinator's _recover)
             return Outcome(lost=gone.lost, since=started)
         if not all(r.finite for r in reports):
             return Outcome(diverged=True)
