@@ -18,20 +18,9 @@ import torch.distributed as dist
 
 from actors.step import StepReport
 from app.core.model import sample
-from app.core.ppo import (
-    entropy,
-    gae,
-    moments,
-    policy_loss,
-    prompt_tokens,
-    response_mask,
-    response_texts,
-    token_logprobs,
-    token_rewards,
-    value_loss,
-    whiten,
-)
+from app.core.ppo import entropy, gae, moments, policy_loss, token_logprobs, token_rewards, value_loss, whiten
 from app.core.rewards import Task
+from pipelines.tokenizer import EOT, decode, encode
 
 NO_DATA = {"hits": 0, "misses": 0, "wait_s": 0.0}  # prompts come from the task, not the shard cache
 
@@ -40,6 +29,26 @@ def prompts_for(task: Task, seed: int, indices, stream: str = "train") -> list[s
     """The prompts of these indices, from their own random stream: the evaluation's ("eval") is another draw than
     the training's (a task with few distinct prompts repeats them in both)."""
     return [task.prompt(random.Random(f"{stream}:{seed}:{i}")) for i in indices]
+
+
+def prompt_tokens(prompts: list[str], length: int) -> torch.Tensor:
+    """(B, length) byte tokens: each prompt's last `length` bytes, left-padded with the document separator (what
+    precedes a document in training)."""
+    rows = torch.full((len(prompts), length), EOT, dtype=torch.long)
+    for i, text in enumerate(prompts):
+        tokens = torch.from_numpy(encode(text)[-length:].astype("int64"))
+        rows[i, length - len(tokens) :] = tokens
+    return rows
+
+
+def response_mask(responses: torch.Tensor) -> torch.Tensor:
+    """1 for each response token up to and including the first separator (which ends it), 0 after."""
+    ended = (responses == EOT).long().cumsum(1)
+    return ((ended == 0) | ((ended == 1) & (responses == EOT))).float()
+
+
+def response_texts(responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    return [decode(r[: int(m.sum())].tolist()) for r, m in zip(responses, mask)]
 
 
 def ppo_step(worker, indices, beta: float, lr_scale: float, scorers: tuple, seed: int) -> StepReport:

@@ -72,3 +72,14 @@ def test_the_kl_coefficient_moves_towards_the_target_with_a_clipped_error():
     kl = AdaptiveKL(beta=0.1, target=6.0, horizon=10_000)
     assert kl.update(kl=12.0, samples=1000) == pytest.approx(0.1 * (1 + 0.2 * 0.1))  # error 1.0, clipped to 0.2
     assert kl.update(kl=5.7, samples=1000) == pytest.approx(0.1 * 1.02 * (1 - 0.05 * 0.1))
+
+
+def test_prompts_are_left_padded_with_the_separator_and_a_response_ends_at_its_first():
+    from actors.rollout import prompt_tokens, response_mask, response_texts
+
+    rows = prompt_tokens(["ab", "abcdef"], 4)
+    assert rows.tolist() == [[0, 0, 97, 98], [99, 100, 101, 102]]  # cut to the last 4 bytes
+    responses = torch.tensor([[49, 50, 0, 51], [49, 50, 51, 52]])
+    mask = response_mask(responses)
+    assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]  # the separator counts, what follows it does not
+    assert response_texts(responses, mask) == ["12", "1234"]

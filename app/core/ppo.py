@@ -13,28 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pipelines.tokenizer import EOT, decode, encode
-
-
-def prompt_tokens(prompts: list[str], length: int) -> torch.Tensor:
-    """(B, length) byte tokens: each prompt's last `length` bytes, left-padded with the document separator (what
-    precedes a document in training)."""
-    rows = torch.full((len(prompts), length), EOT, dtype=torch.long)
-    for i, text in enumerate(prompts):
-        tokens = torch.from_numpy(encode(text)[-length:].astype("int64"))
-        rows[i, length - len(tokens) :] = tokens
-    return rows
-
-
-def response_mask(responses: torch.Tensor) -> torch.Tensor:
-    """1 for each response token up to and including the first separator (which ends it), 0 after."""
-    ended = (responses == EOT).long().cumsum(1)
-    return ((ended == 0) | ((ended == 1) & (responses == EOT))).float()
-
-
-def response_texts(responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
-    return [decode(r[: int(m.sum())].tolist()) for r, m in zip(responses, mask)]
-
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log pi(token) under `logits` (B, T, V), in fp32."""
