@@ -2,8 +2,8 @@
 
 As torchtune's LoRALinear: A kaiming-initialised, B zero (so training starts from the base model exactly), the
 update scaled by alpha / rank. The adapted layer keeps `weight` under its name, so a base checkpoint loads into it
-as into the nn.Linear it replaces, and the adapters are the model's only trainable parameters: only they are
-all-reduced, compressed, sharded and checkpointed.
+as into the nn.Linear it replaces. The adapters (and what finetune.lora.also_train names) are the model's only
+trainable parameters: only they are all-reduced, compressed, sharded and checkpointed.
 """
 
 from __future__ import annotations
