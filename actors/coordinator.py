@@ -12,6 +12,7 @@ a module of its own, and this loop only sequences them:
     actors/runlog.py      records, dashboard, status.json, summary
     actors/guards.py      outlier and NaN guards
     actors/faults.py      failure injection
+    actors/health.py      each node's failure risk, and drains before a failure
     actors/ps_mode.py     parameter-server mode, driven instead of the loop
 
 Every handler returns the members it lost (a Loss), if any: the next decision is then a recovery.
@@ -31,6 +32,7 @@ from actors.data_plane import DataPlane
 from actors.faults import FaultPlan
 from actors.gather import WorkersLost
 from actors.guards import Guards
+from actors.health import HealthWatch
 from actors.membership import Loss, Team
 from actors.ppo_step import PPOStepper
 from actors.ps_mode import PSTraining
@@ -57,6 +59,7 @@ class Coordinator:
         self.saver = Saver(cfg, checkpoint_uri(cfg, self.run_dir), self.log.record, self.team.gather)
         self.guards = Guards(cfg.train)
         self.faults = FaultPlan(cfg.faults)
+        self.health = HealthWatch(cfg, self.team, self.faults, self.log)
         parts = (cfg, self.team, self.data, self.balancer, self.guards, self.faults, self.saver, self.log)
         self.scorers = scorers.start(cfg) if cfg.ppo.reward else None  # PPO: the reference model, the reward
         self.stepper = PPOStepper(*parts, scorers=self.scorers) if self.scorers else Stepper(*parts)
@@ -114,6 +117,8 @@ class Coordinator:
         self.team.refill()
 
     def _decide(self) -> State:
+        self.team.drained = frozenset(self.health.watch(self.at.step))
+        self.team.pool.avoid = set(self.health.avoid)
         self.team.watch(self.at)
         step, c = self.at.step, self.cfg
         obs = Observation(
@@ -139,6 +144,7 @@ class Coordinator:
             return self._roll_back_nan()
         if outcome.lost:
             return Loss(outcome.lost, outcome.since)
+        self.health.stepped(self.at.step, self.log.latest["train"].get("speeds"))
         self.team.prepare_pool(self.at)
         return None
 
@@ -281,6 +287,7 @@ class Coordinator:
             )
 
     def _stop(self) -> None:
+        self.health.close()
         self.log.close()
         self.saver.close()
         self.team.stop()
@@ -320,7 +327,8 @@ class Coordinator:
             "warm_pool_size": len(team.pool.idle),
             "recoveries": team.recoveries,
             "generation": team.generation,
-            "draining_nodes": sorted(team.draining),
+            "draining_nodes": sorted(team.draining | team.drained),
+            "health": self.health.status(),
             "balanced": self.balancer.balanced,
             "comm": self.cfg.comm.mode,
             "members": team.members(),

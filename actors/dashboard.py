@@ -62,6 +62,11 @@ class Dashboard:
         self.grad_norm_total = Counter(
             "etrain_grad_norms", "the sum of every gradient norm (the mean: over ..._distribution_count)", tag_keys=keys
         )
+        self.risk = Gauge(
+            "etrain_node_risk",
+            "each node's failure risk, 0 to 1 (actors/health.py); at health.drain_at it is drained",
+            tag_keys=("run", "node"),
+        )
         self.held: dict = {}  # (gauge name, extra tag) -> (gauge, value, tags): what each step sets again
         self.cache = {"hits": 0, "served": 0}
 
@@ -70,6 +75,9 @@ class Dashboard:
             gauge, tags = gauge or self.gauges[name], {**self.tags, **extra}
             gauge.set(float(value), tags=tags)
             self.held[(name, tuple(extra.items()))] = (gauge, float(value), tags)
+
+    def node_risk(self, node: str, score: float) -> None:
+        self._set("risk", score, self.risk, node=node)
 
     def pool(self, ready: int) -> None:
         self._set("warm_pool_size", ready)

@@ -5,25 +5,64 @@ calls `apply`. Kinds: kill (the process exits, as a lost node), hang (it stops a
 slow (a straggler: compute takes `factor` times as long from then on), nan and spike (the
 loss is poisoned: a non-finite or a huge gradient), and kill_in_allreduce (the process exits
 inside the gradient all-reduce, after sending its first bucket: peers fail mid-collective).
+
+Nodes that fail slowly (README "Node health"): degrade (compute slows a little more each step, then the
+process dies at `until`), ecc (the rank's node reports single-bit ECC errors at a rising rate, then an
+uncorrectable one `warning` steps before the process dies at `until`: `FaultPlan.readings`, synthetic), and
+noisy (compute time varies by up to `factor` times, every step; it never fails).
 """
 
 from __future__ import annotations
 
 import os
+import random
 import time
 
 from app.core.config import Fault
+from app.core.health import Reading
 
 
 class FaultPlan:
     def __init__(self, faults: list[Fault]):
         self.faults, self.fired = faults, set()
+        self.bound: dict[int, str | None] = {}  # ecc fault -> the node that reports it
 
-    def due(self, step: int) -> dict[int, dict]:
-        """rank -> the fault it meets at `step` (1-based), each fault once."""
-        due = {i: f for i, f in enumerate(self.faults) if f.step == step and i not in self.fired}
+    def due(self, step: int, pool_ready: bool = True) -> dict[int, dict]:
+        """rank -> the fault it meets at `step` (1-based), each fault once; one that waits for a ready pool worker
+        (`ready_pool`) at the first step from its own on where there is one."""
+        due = {
+            i: f
+            for i, f in enumerate(self.faults)
+            if i not in self.fired
+            and (f.step == step or f.ready_pool and f.step < step)
+            and (pool_ready or not f.ready_pool)
+        }
         self.fired |= set(due)
         return {f.rank: f.model_dump() for f in due.values()}
+
+    def readings(self, step: int, node_of: dict[int, str]) -> list[Reading]:
+        """What the nodes of ecc faults report after `step`: single-bit errors from the fault's step on, at a rate
+        that grows by `factor` each step, and an uncorrectable error (Xid 48) `warning` steps before `until`. Each
+        fault stays with the node its rank was on when it began (`node_of`: rank -> node now)."""
+        out = []
+        for i, f in enumerate(self.faults):
+            if f.kind != "ecc" or step < f.step:
+                continue
+            node = self.bound.setdefault(i, node_of.get(f.rank))
+            k = step - f.step + 1
+            broken = step >= f.until - f.warning
+            out.append(
+                Reading(
+                    node,
+                    time.time(),
+                    "synthetic",
+                    synthetic=True,
+                    xid=[48] if step == f.until - f.warning else [],
+                    ecc_sbe=int(f.factor * k * (k + 1) / 2),
+                    ecc_dbe=int(broken),
+                )
+            )
+        return out
 
 
 def apply(fault: dict | None, worker) -> None:
@@ -43,3 +82,18 @@ def apply(fault: dict | None, worker) -> None:
         worker.poisoned = float("nan")
     elif kind == "spike":
         worker.poisoned = fault["factor"]
+    elif kind in ("degrade", "ecc", "noisy"):
+        worker.failing = fault
+
+
+def tick(worker, step: int) -> None:
+    """In the worker, as step `step` (1-based) begins: a slowly failing worker's slowdown for it, or its death."""
+    fault = getattr(worker, "failing", None)
+    if not fault:
+        return
+    if fault["until"] is not None and step >= fault["until"]:
+        os._exit(1)
+    if fault["kind"] == "degrade":
+        worker.slowdown = 1 + (fault["factor"] - 1) * (step - fault["step"] + 1)
+    elif fault["kind"] == "noisy":
+        worker.slowdown = 1 + (fault["factor"] - 1) * random.Random(step * 7919 + fault["rank"]).random()

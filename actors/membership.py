@@ -53,14 +53,19 @@ class ResizePlan:
     reason: str
 
 
-def plan_resize(workers: list, nodes: dict, draining: set, target: int, ranks: int = 1) -> ResizePlan:
-    """Members on draining nodes leave (a preemption), and with them the rest of their replicas (`ranks` members
-    each); then the group shrinks to, or grows towards, `target` (a whole number of replicas), whole replicas
-    leaving from the end."""
-    evicted = [w for w in workers if nodes.get(w) in draining]
+def plan_resize(
+    workers: list, nodes: dict, draining: set, target: int, ranks: int = 1, drained: frozenset = frozenset()
+) -> ResizePlan:
+    """Members on draining nodes leave (a preemption; a drain when `drained`, the nodes at risk, hold them all), and
+    with them the rest of their replicas (`ranks` members each); then the group shrinks to, or grows towards,
+    `target` (a whole number of replicas), whole replicas leaving from the end."""
+    evicted = [w for w in workers if nodes.get(w) in draining | drained]
     intact, broken = whole_replicas(workers, evicted, ranks)
     keep, leaving = intact[:target], [w for w in broken if w not in evicted] + intact[target:]
-    reason = "preemption" if evicted else "scale-in" if target < len(workers) else "scale-out"
+    if evicted:
+        reason = "drain" if all(nodes.get(w) in drained - draining for w in evicted) else "preemption"
+    else:
+        reason = "scale-in" if target < len(workers) else "scale-out"
     return ResizePlan(keep, leaving, evicted, target - len(keep), reason)
 
 
@@ -89,6 +94,8 @@ class Team:
         self.peaks: dict = {}  # worker -> peak FLOP/s of its device, None on CPU (MFU's denominator)
         self.flops_per_token = 0.0
         self.draining: set[str] = set()  # nodes with a preemption notice
+        self.drained: frozenset[str] = frozenset()  # nodes at risk whose members leave now (actors/health.py)
+        self.extra_pool = 0  # pool workers wanted beyond cluster.warm_pool: replacements for a node to drain
         self.generation = 0
         self.recoveries = 0
         self._pending: tuple[Membership, float] | None = None  # a change waiting for its first step
@@ -120,8 +127,9 @@ class Team:
             return
         self._next_watch = time.monotonic() + WATCH_S
         self.draining = draining_nodes()
-        self.pool.drop([w for w in self.pool.idle if self.nodes.get(w) in self.draining])
-        self.data.start_caches(worker_nodes(self.cfg.cluster) - self.draining, at.cursor)
+        avoided = self.draining | self.pool.avoid
+        self.pool.drop([w for w in self.pool.idle if self.nodes.get(w) in avoided])
+        self.data.start_caches(worker_nodes(self.cfg.cluster) - avoided, at.cursor)
         if self._pending is None:  # not while a change waits for its first step: a starting worker would slow it
             self.refill()
         if self.autoscaling:
@@ -149,14 +157,18 @@ class Team:
         # Room is counted once the pool's starting workers have started: Ray's view of free resources lags
         # their placement, and a second cold start beside one still going slows both.
         free = self._free_slots() if self.autoscaling and not self.pool.warming else 0
-        return pool_size(
-            len(self.workers), self.wanted, free, len(self.pool.idle), self.cfg.cluster.warm_pool, max_workers
-        )
+        warm_pool = self.cfg.cluster.warm_pool + self.extra_pool
+        return pool_size(len(self.workers), self.wanted, free, len(self.pool.idle), warm_pool, max_workers)
 
     def refill(self) -> None:
         """The pool back to its size; the autoscaler asked for room."""
         self.pool.refill(self.pool_size())
-        self.pool.reserve(self.cfg.cluster.max_workers if self.autoscaling else max(self.wanted, len(self.workers)))
+        members = self.cfg.cluster.max_workers if self.autoscaling else max(self.wanted, len(self.workers))
+        self.pool.reserve(members + self.extra_pool)
+
+    def ready_elsewhere(self, avoid: set) -> int:
+        """Ready pool workers on nodes outside `avoid`: the replacements a drain can take."""
+        return sum(self.nodes.get(w) not in avoid for w in self.pool.ready_workers())
 
     def prepare_pool(self, at: Position) -> None:
         """Attach pool workers that finished warming up to their node's cache while they wait. The attach is
@@ -170,7 +182,7 @@ class Team:
                 log.warning("a warm-pool worker did not start: %s", why(e))
                 self.pool.drop([worker])
                 continue
-            if node in self.draining:  # started on a node with a preemption notice: no use waiting there
+            if node in self.draining | self.pool.avoid:  # a preemption notice, or at risk: no use waiting there
                 self.pool.drop([worker])
                 continue
             self.pool.preparing[worker] = attach = self.data.attach([worker], [node], at.cursor, read=True)[0]
@@ -187,7 +199,7 @@ class Team:
 
     def evicting(self) -> int:
         """Members on nodes being drained: they leave at the next step boundary."""
-        return sum(self.nodes.get(w) in self.draining for w in self.workers)
+        return sum(self.nodes.get(w) in self.draining | self.drained for w in self.workers)
 
     def request(self, workers: int) -> None:
         """`etrain scale`: a manual request pins the size, and the autoscaling policy stops for this run."""
@@ -199,7 +211,9 @@ class Team:
         """Members on draining nodes leave (preemption); then shrink to, or grow towards, the target.
         `whole`: a ZeRO-1 state gathered before anyone leaves, which every member then loads."""
         started = time.perf_counter()
-        plan = plan_resize(self.workers, self.nodes, self.draining, self.target(), self.ranks)
+        avoided = self.draining | self.drained | self.pool.avoid
+        self.pool.drop([w for w in self.pool.idle if self.nodes.get(w) in avoided])  # no joiner from there
+        plan = plan_resize(self.workers, self.nodes, self.draining, self.target(), self.ranks, self.drained)
         self.retire(plan.evicted)  # its node is going away: no clean exit needed, and it may be gone already
         self._give_back(plan.leaving, plan.joining)
         return self.change(plan.keep, plan.joining, plan.reason, at, started, lost=len(plan.evicted), whole=whole)
@@ -233,8 +247,9 @@ class Team:
         joiners = self._placed(self.pool.take(self._whole(min(joining, self.pool.ready())))) if joining > 0 else []
         phases["acquire"] = time.perf_counter() - t
         self._close(stepped=False)
+        leaving = sorted(self.draining | self.drained)
         event = Membership(at.step, reason, len(self.workers), len(members) + len(joiners), lost, len(joiners),
-                           [self.nodes.get(w) for w in joiners], sorted(self.draining), phases)  # fmt: skip
+                           [self.nodes.get(w) for w in joiners], leaving, phases)  # fmt: skip
         if not members + joiners:
             raise JobError(f"no worker left and none ready in the warm pool; {self.resume_hint}")
         self.balancer.forget(members + joiners)

@@ -24,6 +24,7 @@ class WarmPool:
         self.warming: dict = {}  # worker -> its warm_up call, until the coordinator prepares it
         self.preparing: dict = {}  # worker -> its cache attach (the coordinator's), done = ready to join
         self._reserved: int | None = None
+        self.avoid: set[str] = set()  # nodes new pool workers must not start on (at risk, or cooling down)
 
     def refill(self, size: int) -> None:
         """Top up to `size` workers (control.pool_size) without waiting for the new actors to start.
@@ -34,7 +35,7 @@ class WarmPool:
                 spawn,  # torch, lazily: the driver imports this module and loads torch in a thread while Ray starts
             )
 
-            fresh = spawn(self.cfg, self.manifest, missing)
+            fresh = spawn(self.cfg, self.manifest, missing, self.avoid)
             self.warming |= {w: w.warm_up.remote() for w in fresh}  # queued first: "up" then means warmed up
             self.idle += fresh
 
@@ -51,7 +52,7 @@ class WarmPool:
     def take(self, count: int) -> list:
         """Up to `count` ready workers. Never one still starting: it may wait minutes for a node,
         and a membership change must not wait for it; it joins at a later step boundary."""
-        chosen = self._prepared()[:count]
+        chosen = self.ready_workers()[:count]
         self.idle = [w for w in self.idle if w not in chosen]
         for w in chosen:
             del self.preparing[w]
@@ -67,9 +68,9 @@ class WarmPool:
 
     def ready(self) -> int:
         """Pool workers warmed up and attached to their node's cache: a join costs them no start-up."""
-        return len(self._prepared())
+        return len(self.ready_workers())
 
-    def _prepared(self) -> list:
+    def ready_workers(self) -> list:
         refs = list(self.preparing.values())
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
         return [w for w, ref in self.preparing.items() if ref in done]

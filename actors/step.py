@@ -83,7 +83,7 @@ class Stepper:
         batch = self.cfg.batch_at(len(workers))
         was_balanced = self.balancer.balanced
         shares = self.shares(at.cursor, batch, workers)
-        limit, faults = self.guards.limit(), self.faults.due(n)
+        limit, faults = self.guards.limit(), self.faults.due(n, self.team.pool.ready() > 0)
         refs = [
             w.train_step.remote(at.step, ids, batch, at.cursor, faults.get(rank), self.guards.lr_scale, limit)
             for rank, (w, ids) in enumerate(zip(workers, shares))

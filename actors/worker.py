@@ -75,7 +75,8 @@ class TrainWorker:
         self.eval_data = ShardReader(manifest, "eval", cfg.data.cache_shards)  # small, read directly
         self.ddp: DDP | GPT | None = None
         self.sync: GradSync | None = None  # the DDP communication hook; keeps top-k residuals across groups
-        self.slowdown = 1.0  # > 1: an injected straggler (fault kind "slow")
+        self.slowdown = 1.0  # > 1: an injected straggler (fault kinds "slow", "degrade", "noisy")
+        self.failing: dict | None = None  # a fault of kind degrade, ecc or noisy: faults.tick acts on it each step
         self.poisoned = 0.0  # this step's loss is multiplied by it (fault kinds "nan", "spike")
         self._store: dist.TCPStore | None = None
         self._meeting: threading.Event | None = None  # set while join waits for its peers: `release` ends the wait
@@ -291,6 +292,7 @@ class TrainWorker:
         """
         started = time.perf_counter()
         faults.apply(fault, self)
+        faults.tick(self, step + 1)
         # a TP group's ranks draw alike: dropout on what they all hold (the residual stream) drops the same elements
         torch.manual_seed(step_seed(self.cfg.train.seed, step, self.rank // self.cfg.parallel.tp))
         self.model.train()
@@ -341,6 +343,7 @@ class TrainWorker:
     ) -> StepReport:
         """This worker's share of a PPO step: rollouts of its prompts, then the updates (actors/rollout.py)."""
         faults.apply(fault, self)
+        faults.tick(self, step + 1)
         seed = step_seed(self.cfg.train.seed, step, self.rank)
         try:
             report = rollout.ppo_step(self, indices, beta, lr_scale, scorers, seed)
@@ -437,6 +440,7 @@ class TrainWorker:
         """Pull, compute the gradient of `ids`, push it; return once an update holds it."""
         started = time.perf_counter()
         faults.apply(fault, self)
+        faults.tick(self, step + 1)
         torch.manual_seed(step_seed(self.cfg.train.seed, step, self.rank))
         self.ps_pull()
         self.model.train()
@@ -712,12 +716,13 @@ class TrainWorker:
         return torch.autocast(self.device.type, dtype=dtype)
 
 
-def spawn(cfg: Config, manifest: str, count: int) -> list:
-    """Start `count` worker actors; they build their models in parallel."""
+def spawn(cfg: Config, manifest: str, count: int, avoid: set[str] = frozenset()) -> list:
+    """Start `count` worker actors, on none of the nodes in `avoid`; they build their models in parallel."""
     cluster = cfg.cluster
     # `release` has a thread of its own: it must answer while a join waits for its peers
+    away = {"label_selector": {"ray.io/node-id": f"!in({','.join(sorted(avoid))})"}} if avoid else {}
     remote = ray.remote(concurrency_groups={"control": 1})(TrainWorker).options(
-        num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker, max_restarts=0
+        num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker, max_restarts=0, **away
     )
     return [remote.remote(cfg.model_dump(), manifest) for _ in range(count)]
 

@@ -256,12 +256,26 @@ def _status_text(st: dict) -> str:
         shape = f"tp {lay['tp']} × pp {lay['pp']} = {lay['ranks']} ranks"
         lines.append(f"  layout: {lay['replicas']} replica(s) of {shape}{pipeline}")
     if st["draining_nodes"]:
-        lines.append(f"  draining nodes (preemption notice): {', '.join(n[:8] for n in st['draining_nodes'])}")
+        lines.append(f"  draining nodes (preemption or health): {', '.join(n[:8] for n in st['draining_nodes'])}")
+    lines += _health_lines(st.get("health") or {"nodes": {}, "lemons": []})
     for m in st["members"]:
         speed = f"{m['speed']:.1f} samples/s" if m["speed"] else "speed not measured yet"
         place = f"  replica {m['replica']} stage {m['stage']} shard {m['shard']}" if "replica" in m else ""
         lines.append(f"    rank {m['rank']}: node {(m['node'] or '?')[:8]} pid {m['pid']}{place}  {speed}")
     return "\n".join(lines)
+
+
+def _health_lines(health: dict) -> list[str]:
+    """Each node's failure risk and its reasons, worst first; the lemons."""
+    lines = []
+    for node, h in sorted(health["nodes"].items(), key=lambda kv: -kv[1]["risk"]):
+        why = "; ".join(h["reasons"]) or "no signal"
+        cool = f", cooling down {_duration(h['cooldown_s'])}" if h.get("cooldown_s") else ""
+        drill = " [synthetic]" if h["synthetic"] else ""
+        lines.append(f"  node {node[:8]} risk {h['risk']:.2f} {h['state']}{cool}{drill}: {why}")
+    if health["lemons"]:
+        lines.append(f"  lemons (drained repeatedly): {', '.join(n[:8] for n in health['lemons'])}")
+    return lines
 
 
 def _duration(seconds: float | None) -> str:

@@ -29,17 +29,13 @@ bench/results/elastic.json give medians with their spread.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from rounds import summary
+from rounds import in_own_process, interleaved, summary
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -298,25 +294,9 @@ VARIANTS = {
 
 
 def measure(args, variant: str) -> dict:
-    cmd = [sys.executable, __file__, "--variant", variant, *forward(args)]
-    launched = time.time()
-    # Its own process group: a variant that leaves mid-run (the node-added ones) leaves Ray processes
-    # behind, and they go with the group.
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    stdout, stderr = proc.communicate()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-    if out.returncode:
-        raise SystemExit(f"{variant} failed:\n{out.stderr[-3000:]}")
-    return {"variant": variant, **json.loads(out.stdout.strip().splitlines()[-1]), "wall_s": time.time() - launched}
+    launched = time.time()  # a variant that leaves mid-run (the node-added ones) leaves Ray processes behind
+    result = in_own_process(__file__, ["--variant", variant, *forward(args)], variant)
+    return {"variant": variant, **result, "wall_s": time.time() - launched}
 
 
 def forward(args) -> list[str]:
@@ -355,16 +335,12 @@ def main() -> None:
     if args.variant:
         print(json.dumps(VARIANTS[args.variant](args)))
         return
-    runs: dict[str, list[dict]] = {v: [] for v in args.only}
-    for round_ in range(args.rounds):  # interleaved: a drift in the machine's speed hits every variant alike
-        for variant in args.only:
-            r = measure(args, variant)
-            runs[variant].append(r)
-            print(
-                f"round {round_ + 1}  {variant:13s} {METRIC[variant]} {r[METRIC[variant]]:6.2f} s   run "
-                f"{r['wall_s']:6.1f} s",
-                flush=True,
-            )
+    runs = interleaved(
+        args.rounds,
+        args.only,
+        lambda variant: measure(args, variant),
+        lambda v, r: f"{v:13s} {METRIC[v]} {r[METRIC[v]]:6.2f} s   run {r['wall_s']:6.1f} s",
+    )
     rows = {v: summary(rs) for v, rs in runs.items()}
     ratios = {}
     for ours, theirs, key in (

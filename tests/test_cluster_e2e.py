@@ -198,3 +198,39 @@ def test_cluster_up_env_and_down_start_and_stop_exactly_one_head(tmp_path, monke
     assert main(["cluster", "env"]) == 0 and capsys.readouterr().out == exports
     assert main(["cluster", "down"]) == 0
     assert not cluster.processes() and not (tmp_path / "cluster.json").exists()
+
+
+def test_a_degrading_node_is_drained_before_it_fails_and_a_noisy_one_is_not(cluster, data_dir, tmp_path):
+    """Issue 21: rank 1 slows a little more each step from step 40 and would die at step 170; rank 0 is noisy (up to
+    2x, every step) and healthy. The head fits one worker, so the two ranks are on different nodes. Rank 1's node is
+    drained at a step boundary onto a warm worker elsewhere (the autoscaler adds a node for it when none is
+    ready): no step redone, no recovery, every step once, and rank 0's node never drained."""
+    faults = (
+        "faults=[{kind: noisy, rank: 0, step: 1, factor: 2},"
+        " {kind: degrade, rank: 1, step: 40, factor: 1.25, until: 170}]"
+    )
+    job = submit(cluster, data_dir, tmp_path, "health", "cluster.num_workers=2", "train.steps=200", faults)
+    run_dir = tmp_path / "health"
+    wait_until("the first step", lambda: (run_dir / "metrics.jsonl").exists(), timeout=180)
+    first = wait_until("two members", lambda: len((s := status(cluster, job))["members"]) == 2 and s, every=0.5)
+    nodes = {m["rank"]: m["node"] for m in first["members"]}
+    assert nodes[0] != nodes[1]
+    wait_until(
+        "telemetry from both nodes", lambda: _telemetry_nodes(status(cluster, job)) >= set(nodes.values()), every=1
+    )
+    assert wait_job(cluster, job) == "succeeded", cluster.run("ray", "job", "logs", job).stdout[-3000:]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    drained = [r for r in records if r["kind"] == "membership" and r["reason"] == "drain"]
+    assert [(m["world_before"], m["world_after"], m["draining_nodes"]) for m in drained] == [(2, 2, [nodes[1]])]
+    assert nodes[1] not in drained[0]["joiner_nodes"]
+    assert not [r for r in records if r["kind"] == "membership" and r["reason"] == "recover"]
+    health = [r for r in records if r["kind"] == "health"]
+    assert [r["node"] for r in health if r["action"] == "drain"] == [nodes[1]]
+    assert any("slower than its peers" in reason for r in health if r["action"] == "drain" for reason in r["reasons"])
+    assert 40 < drained[0]["step"] < 170  # after it began to slow, before it would have died
+    steps = [r["step"] for r in records if r["kind"] == "train"]
+    assert steps == list(range(1, 201))
+
+
+def _telemetry_nodes(st: dict) -> set:
+    return {n for n, h in st["health"]["nodes"].items() if h["telemetry_age_s"] is not None}

@@ -64,11 +64,13 @@ def test_a_ppo_run_that_dies_resumes_bitwise(base_run, reference):
 
 def test_a_worker_lost_mid_step_sends_the_run_back_to_its_checkpoint_and_it_learns_the_same(base_run, reference):
     """The lost rank dies inside the first update's all-reduce: the survivors may have begun the step's updates, so
-    the run goes back to step 8's checkpoint, a pool worker takes the rank's place, and steps 9-16 come out as the
-    uninterrupted run's."""
-    cfg = ppo_config(base_run, "run.name=ppo-lost", "faults=[{rank: 1, step: 10, kind: kill_in_allreduce}]")
-    train(cfg, run_dir := new_run_dir(cfg), progress=False)
-    assert records(run_dir, "rollback")[0]["step"] == 8
+    the run goes back to the checkpoint before it, a pool worker takes the rank's place, and the steps after it come
+    out as the uninterrupted run's. (The fault waits for a ready pool worker: recovered at another size, the rollouts
+    would be split otherwise.)"""
+    fault = "faults=[{rank: 1, step: 10, kind: kill_in_allreduce, ready_pool: true}]"
+    train(cfg := ppo_config(base_run, "run.name=ppo-lost", fault), run_dir := new_run_dir(cfg), progress=False)
+    failed = records(run_dir, "rollback")[0]["reached_step"] + 1
+    assert failed >= 10 and records(run_dir, "rollback")[0]["step"] == (failed - 1) // 4 * 4
     assert [r["reason"] for r in records(run_dir, "membership")] == ["recover"]
     ours, theirs = records(run_dir, "train"), records(reference, "train")
     assert [(r["loss"], r["reward"]) for r in ours] == [(r["loss"], r["reward"]) for r in theirs]

@@ -35,6 +35,7 @@ RESUMABLE = (
     "run",
     "prepare",
     "faults",
+    "health",
     "balance",
     "comm",
     "parallel",  # a layout changes where the model's parts live, not what is trained: resumable in any other
@@ -312,6 +313,9 @@ class ClusterConfig(Section):
         "(or what `etrain scale` asks)",
     )
     max_recoveries: int = Field(3, ge=0, description="lost-worker recoveries before the job fails")
+    min_workers: int = Field(
+        1, ge=1, description="a health drain never leaves fewer members than this (it waits for a replacement)"
+    )
 
 
 class TimeoutConfig(Section):
@@ -354,14 +358,67 @@ class TimeoutConfig(Section):
 class Fault(Section):
     """Failure injection for tests and drills (actors/faults.py): at `step` (1-based), worker `rank` dies (before its
     step, or inside the gradient all-reduce), hangs, slows down, computes a NaN loss, or a loss `factor` times too
-    large."""
+    large. Three scenarios of a node that fails slowly (predictive maintenance, README "Node health"): `degrade`
+    (its compute slows a little more each step, then it dies at `until`), `ecc` (its node reports single-bit ECC
+    errors at a rising rate, then an uncorrectable one `warning` steps before it dies at `until`; the readings
+    are synthetic and labelled so) and `noisy` (its compute time varies by up to `factor` times, every step, and
+    it never fails: a node that must not be drained)."""
 
     rank: int = Field(ge=0)
     step: int = Field(ge=1)
-    kind: Literal["kill", "kill_in_allreduce", "hang", "slow", "nan", "spike"] = "kill"
+    kind: Literal["kill", "kill_in_allreduce", "hang", "slow", "nan", "spike", "degrade", "ecc", "noisy"] = "kill"
     factor: float = Field(
-        2.0, ge=1, description="slow: compute takes this many times as long from `step` on (a straggler)"
+        2.0,
+        ge=1,
+        description="slow: compute takes this many times as long from `step` on (a straggler); degrade: "
+        "compute takes 1 + (factor - 1) × (steps since `step`) times as long; noisy: up to this many times",
     )
+    until: int | None = Field(None, ge=2, description="degrade, ecc: the step at which the rank's process dies")
+    warning: int = Field(5, ge=0, description="ecc: steps between the uncorrectable error and the death")
+    ready_pool: bool = Field(
+        False,
+        description="hold the fault from `step` until a warm-pool worker is ready: a drill of a recovery whose "
+        "replacement is there (on a busy machine a pool worker may still be starting at `step`)",
+    )
+
+    @model_validator(mode="after")
+    def _ends(self) -> Fault:
+        if self.kind in ("degrade", "ecc") and (self.until is None or self.until <= self.step):
+            raise ValueError(f"a {self.kind} fault needs `until`, the step it dies at, after `step`={self.step}")
+        if self.kind not in ("degrade", "ecc") and self.until is not None:
+            raise ValueError(f"`until` applies to degrade and ecc faults, not {self.kind}")
+        return self
+
+
+class HealthConfig(Section):
+    """Predictive maintenance (actors/health.py): each node's failure risk from its telemetry and its ranks' speed,
+    and a drain of a node at risk at a step boundary, onto ready warm-pool workers elsewhere."""
+
+    action: Literal["drain", "observe"] = Field(
+        "drain", description="drain: move off a node whose risk reaches drain_at; observe: score and record only"
+    )
+    sources: list[Literal["nvml", "host"]] = Field(
+        ["nvml", "host"],
+        description="telemetry read on every node with workers: nvml (GPU: Xid, ECC, remapped rows, heat and "
+        "throttling, PCIe replays), host (memory, swap); [] = the job's own signals only",
+    )
+    every_s: float = Field(5.0, gt=0, description="seconds between telemetry readings of a node")
+    drain_at: float = Field(0.8, gt=0, le=1, description="a node's risk at which it is drained")
+    persist: int = Field(3, ge=1, description="readings in a row a soft signal must hold to score in full")
+    drift_steps: int = Field(8, ge=2, description="steps in a row a rank must run slower than its peers")
+    drift_sigma: float = Field(
+        4.0, gt=0, description="how far below its peers a rank's speed must be, in its own step-to-step noise"
+    )
+    drift_floor: float = Field(
+        0.05, gt=0, description="the least noise assumed, as a log speed ratio (0.05: a rank 5% slower is noise)"
+    )
+    sbe_per_min: float = Field(10.0, gt=0, description="single-bit ECC errors per minute that count as rising")
+    hot_c: float = Field(85.0, description="a GPU this hot and throttling for heat is a soft signal")
+    mem_available_min: float = Field(
+        0.05, ge=0, lt=1, description="host memory available below this share is a soft signal"
+    )
+    cooldown_s: float = Field(600.0, ge=0, description="a drained node gets no new workers for this long")
+    lemon_drains: int = Field(2, ge=1, description="a node drained this many times is listed as a lemon")
 
 
 class LoraConfig(Section):
@@ -452,6 +509,7 @@ class Config(Section):
     finetune: FinetuneConfig = FinetuneConfig()
     ppo: PPOConfig = PPOConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
+    health: HealthConfig = HealthConfig()
     run: RunConfig = RunConfig()
     faults: list[Fault] = Field([], description="injected failures (testing); see Fault")
 
@@ -476,6 +534,11 @@ class Config(Section):
             raise ValueError(
                 f"train.global_batch={self.train.global_batch} is smaller than "
                 f"cluster.num_workers={self.cluster.num_workers}: every worker needs a sample"
+            )
+        if self.cluster.min_workers > self.cluster.num_workers:
+            raise ValueError(
+                f"cluster.min_workers={self.cluster.min_workers} is above "
+                f"cluster.num_workers={self.cluster.num_workers}"
             )
         if self.cluster.max_workers is not None and self.cluster.max_workers < self.cluster.num_workers:
             raise ValueError(
@@ -555,7 +618,9 @@ class Config(Section):
             "train.batch_scaling=linear": self.train.batch_scaling == "linear",
             "parallel.tp × parallel.pp > 1": self.parallel.ranks > 1,
             "checkpoint.every=0": self.checkpoint.every == 0,  # a worker lost mid-step: back to the last checkpoint
-            "faults of kind slow, nan or spike": any(f.kind in ("slow", "nan", "spike") for f in self.faults),
+            "faults of kind slow, nan, spike, degrade or noisy": any(
+                f.kind in ("slow", "nan", "spike", "degrade", "noisy") for f in self.faults
+            ),
         }
         if used := [name for name, on in refused.items() if on]:
             raise ValueError(

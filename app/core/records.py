@@ -83,7 +83,7 @@ class Membership(Record):
     """A group change at a step boundary; `phases` (CHANGE_PHASES) in seconds, `total_s` their sum."""
 
     kind: ClassVar[str] = "membership"
-    reason: str  # start, scale-out, scale-in, recover, preemption
+    reason: str  # start, scale-out, scale-in, recover, preemption, drain (actors/health.py)
     world_before: int
     world_after: int
     lost: int
@@ -161,6 +161,20 @@ class Rewind:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "time": time.time()}
+
+
+@dataclass
+class Health(Record):
+    """A node's risk changed level, or the job acted on it (actors/health.py). `action`: watch (risk at half of
+    health.drain_at or more), clear (below again), wait (to be drained, no replacement ready yet), drain (its members
+    leave at this step boundary), release (its cool-down is over), lemon (drained health.lemon_drains times)."""
+
+    kind: ClassVar[str] = "health"
+    node: str
+    score: float
+    reasons: list
+    action: str
+    synthetic: bool  # a reading came from a scripted source (a drill), not a device
 
 
 @dataclass

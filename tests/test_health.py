@@ -1,0 +1,161 @@
+"""Node risk without Ray: the rules, the trends and their persistence, the drift of a rank against its peers (a
+degrading rank is caught, a noisy one is not), the ecc drill's readings, and the drain as a resize."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from actors.faults import FaultPlan, tick
+from actors.membership import plan_resize
+from app.core.config import ConfigError, Fault, HealthConfig, load_config
+from app.core.health import SOFT, Drift, NodeHealth, Reading, combine
+
+CFG = HealthConfig()
+
+
+def risk_after(readings: list[Reading]):
+    node = NodeHealth(CFG)
+    for r in readings:
+        node.add(r)
+    return combine(node.events, list(node.soft.values()), node.synthetic)
+
+
+def test_an_xid_that_precedes_failure_drains_at_once_and_a_harmless_one_does_not():
+    assert risk_after([Reading("n", 0, "nvml", xid=[79])]).score == 1.0
+    fell = risk_after([Reading("n", 0, "nvml", xid=[79])])
+    assert fell.hard and fell.reasons == ["xid 79 (GPU fell off the bus)"]
+    assert risk_after([Reading("n", 0, "nvml", xid=[13])]).score == 0  # 13: a graphics engine exception (the app's)
+
+
+def test_a_new_uncorrectable_error_is_a_rule_and_a_count_that_stays_is_not():
+    first, same, more = (Reading("n", t, "nvml", ecc_dbe=d) for t, d in ((0, 2), (5, 2), (10, 3)))
+    assert risk_after([first, same]).score == 0  # errors from before the job: already counted
+    assert risk_after([first, same, more]).reasons == ["1 uncorrectable ECC error(s)"]
+
+
+def test_single_bit_errors_score_in_proportion_to_how_long_their_rate_stays_high():
+    # 2 errors per 5 s = 24/min, above sbe_per_min=10
+    rising = [Reading("n", 5.0 * i, "nvml", ecc_sbe=2 * i) for i in range(CFG.persist + 1)]
+    partial = risk_after(rising[:2])
+    assert partial.score == pytest.approx(SOFT / CFG.persist) and not partial.hard
+    assert risk_after(rising).score == pytest.approx(SOFT)
+    assert risk_after(rising).score >= CFG.drain_at
+    slow = [Reading("n", 60.0 * i, "nvml", ecc_sbe=i) for i in range(6)]  # 1/min: below the rate
+    assert risk_after(slow).score == 0
+
+
+def test_a_broken_streak_starts_over():
+    hot = [Reading("n", i, "nvml", temperature_c=90, throttle_thermal=i != 2) for i in range(5)]
+    r = risk_after(hot)
+    assert r.score == pytest.approx(SOFT * 2 / CFG.persist) and "2 reading(s) in a row" in r.reasons[0]
+    assert risk_after([Reading("n", 0, "nvml", temperature_c=90, throttle_thermal=False)]).score == 0
+
+
+def test_two_soft_signals_together_count_as_either_being_real():
+    r = combine([], [(0.6, "a"), (0.5, "b")], synthetic=False)
+    assert r.score == pytest.approx(0.8) and r.reasons == ["a", "b"]
+
+
+def speeds_of(slowdowns: list[float], noise: random.Random, jitter: float = 0.05) -> list[float]:
+    return [100 / s * (1 + jitter * (noise.random() - 0.5)) for s in slowdowns]
+
+
+def test_a_rank_that_slows_step_by_step_drifts_and_its_peer_does_not():
+    drift, noise = Drift(CFG), random.Random(0)
+    for step in range(60):
+        slowdown = 1 + 0.2 * max(0, step - 40)  # fault kind degrade, factor 1.2, from step 40
+        drift.observe(["a", "b"], speeds_of([1.0, slowdown], noise))
+        if step == 40:
+            assert drift.assess("b") is None
+    found = drift.assess("b")
+    assert found is not None and found[0] == SOFT and "slower than its peers" in found[1]
+    assert drift.assess("a") is None
+
+
+def test_a_noisy_but_healthy_rank_never_drifts():
+    """Compute times up to 2x, drawn afresh every step (fault kind noisy): 5 × 2,000 steps, never flagged. (With
+    drift_steps=5 instead of the default 8 this flags a few times in 60,000 steps: measured.)"""
+    flagged = 0
+    for seed in range(5):
+        drift, noise = Drift(CFG), random.Random(seed)
+        for _ in range(2000):
+            drift.observe(["a", "b", "c"], speeds_of([1.0, 1 + noise.random(), 1.0], noise))
+            flagged += drift.assess("b") is not None
+    assert flagged == 0
+
+
+def test_a_steady_straggler_is_a_drift_too():
+    """Twice as slow from one step on, and steady: its noise is small, its gap large."""
+    drift, noise = Drift(CFG), random.Random(2)
+    for step in range(50):
+        drift.observe(["a", "b"], speeds_of([1.0, 2.0 if step >= 30 else 1.0], noise))
+    assert drift.assess("b") is not None
+
+
+def test_the_ecc_drill_reports_rising_errors_then_an_uncorrectable_one_on_the_node_it_began_on():
+    plan = FaultPlan([Fault(rank=1, step=3, kind="ecc", until=12, warning=4)])
+    assert plan.readings(2, {1: "n1"}) == []
+    node = NodeHealth(CFG)
+    for step in range(3, 12):
+        (r,) = plan.readings(step, {1: "n1" if step < 6 else "elsewhere"})  # the rank moved: the fault did not
+        assert r.node == "n1" and r.synthetic and r.source == "synthetic"
+        r.t = step * 5.0
+        node.add(r)
+        if step == 8:  # 12 - 4: the uncorrectable error
+            assert r.xid == [48] and r.ecc_dbe == 1
+            assert any("xid 48" in e for e in node.events)
+    assert node.soft["ecc_sbe"][0] == pytest.approx(SOFT)  # the rate rose for every reading
+
+
+class Worker:
+    slowdown = 1.0
+
+
+def test_degrade_and_noisy_faults_set_the_slowdown_each_step_and_degrade_dies_at_until(monkeypatch):
+    w = Worker()
+    w.failing = Fault(rank=0, step=5, kind="degrade", factor=1.5, until=9).model_dump()
+    tick(w, 5)
+    assert w.slowdown == 1.5
+    tick(w, 7)
+    assert w.slowdown == 2.5
+    exits = []
+    monkeypatch.setattr("os._exit", exits.append)
+    tick(w, 9)
+    assert exits == [1]
+    w.failing = Fault(rank=0, step=1, kind="noisy", factor=3).model_dump()
+    seen = []
+    for step in range(1, 200):
+        tick(w, step)
+        seen.append(w.slowdown)
+    assert 1 <= min(seen) < 1.2 and 2.8 < max(seen) <= 3
+
+
+def test_a_drain_is_a_resize_of_its_own_reason():
+    nodes = {"w0": "good", "w1": "bad", "w2": "good"}
+    plan = plan_resize(["w0", "w1"], nodes, draining=set(), target=2, drained=frozenset({"bad"}))
+    assert (plan.keep, plan.evicted, plan.joining, plan.reason) == (["w0"], ["w1"], 1, "drain")
+    preempted = plan_resize(["w0", "w1"], nodes, draining={"bad"}, target=2, drained=frozenset({"bad"}))
+    assert preempted.reason == "preemption"
+
+
+def test_fault_and_health_config_errors_name_the_key():
+    with pytest.raises(ValueError, match="needs `until`"):
+        Fault(rank=0, step=5, kind="degrade")
+    with pytest.raises(ValueError, match="`until` applies to degrade and ecc"):
+        Fault(rank=0, step=5, kind="kill", until=9)
+    with pytest.raises(ConfigError, match="cluster.min_workers=3 is above cluster.num_workers=2"):
+        load_config("tiny", ["cluster.min_workers=3"])
+    with pytest.raises(ConfigError, match="health.drain_at"):
+        load_config("tiny", ["health.drain_at=1.5"])
+    assert math.isclose(load_config("tiny", ["health.action=observe"]).health.drain_at, 0.8)
+
+
+def test_a_fault_that_waits_for_a_ready_pool_worker_fires_at_the_first_step_with_one():
+    plan = FaultPlan([Fault(rank=1, step=3, kind="kill", ready_pool=True), Fault(rank=0, step=3, kind="hang")])
+    assert plan.due(3, pool_ready=False) == {0: Fault(rank=0, step=3, kind="hang").model_dump()}
+    assert plan.due(4, pool_ready=False) == {}
+    assert list(plan.due(5, pool_ready=True)) == [1]
+    assert plan.due(6, pool_ready=True) == {}
