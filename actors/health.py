@@ -90,8 +90,8 @@ class HealthWatch:
         for node in set(self.nodes) | set(members):
             self.risk[node] = risk = self._assess(node, members.get(node, []))
             self.log.dashboard.node_risk(node, risk.score)
-            if node in self.evict:
-                continue
+            if node in self.evict or self._cooldown_left(node, time.time()) is not None:
+                continue  # leaving, or left and cooling down: nothing more to decide
             if risk.score >= self.c.drain_at and members.get(node):
                 self._drain(step, node, risk, len(members[node]))
                 continue

@@ -130,6 +130,7 @@ class Team:
         avoided = self.draining | self.pool.avoid
         self.pool.drop([w for w in self.pool.idle if self.nodes.get(w) in avoided])
         self.data.start_caches(worker_nodes(self.cfg.cluster) - avoided, at.cursor)
+        self.pool.restart_kept_off()
         if self._pending is None:  # not while a change waits for its first step: a starting worker would slow it
             self.refill()
         if self.autoscaling:

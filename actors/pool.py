@@ -25,6 +25,7 @@ class WarmPool:
         self.preparing: dict = {}  # worker -> its cache attach (the coordinator's), done = ready to join
         self._reserved: int | None = None
         self.avoid: set[str] = set()  # nodes new pool workers must not start on (at risk, or cooling down)
+        self.kept_off: dict = {}  # worker -> the nodes it was kept off when it was started
 
     def refill(self, size: int) -> None:
         """Top up to `size` workers (control.pool_size) without waiting for the new actors to start.
@@ -36,6 +37,7 @@ class WarmPool:
             )
 
             fresh = spawn(self.cfg, self.manifest, missing, self.avoid)
+            self.kept_off |= {w: frozenset(self.avoid) for w in fresh}
             self.warming |= {w: w.warm_up.remote() for w in fresh}  # queued first: "up" then means warmed up
             self.idle += fresh
 
@@ -49,6 +51,11 @@ class WarmPool:
             del self.warming[w]
         return ready
 
+    def restart_kept_off(self) -> None:
+        """Workers still starting that were kept off a node that is allowed again (its cool-down is over) may be
+        waiting for room only that node has: they are stopped, and the next refill starts them without it."""
+        self.drop([w for w in self.warming if self.kept_off.get(w, frozenset()) - self.avoid])
+
     def take(self, count: int) -> list:
         """Up to `count` ready workers. Never one still starting: it may wait minutes for a node,
         and a membership change must not wait for it; it joins at a later step boundary."""
@@ -56,6 +63,7 @@ class WarmPool:
         self.idle = [w for w in self.idle if w not in chosen]
         for w in chosen:
             del self.preparing[w]
+            self.kept_off.pop(w, None)
         return chosen
 
     def drop(self, workers: list) -> None:
@@ -64,6 +72,7 @@ class WarmPool:
             self.idle.remove(w)
             self.warming.pop(w, None)
             self.preparing.pop(w, None)
+            self.kept_off.pop(w, None)
         self.retire(workers)
 
     def ready(self) -> int:
