@@ -159,3 +159,77 @@ def test_a_fault_that_waits_for_a_ready_pool_worker_fires_at_the_first_step_with
     assert plan.due(4, pool_ready=False) == {}
     assert list(plan.due(5, pool_ready=True)) == [1]
     assert plan.due(6, pool_ready=True) == {}
+
+
+class Team:
+    """What HealthWatch asks of the group: its members, their nodes, the ready pool workers elsewhere."""
+
+    def __init__(self, nodes: dict, ready_elsewhere: int = 0):
+        self.workers, self.nodes, self.ranks, self.extra_pool = list(nodes), nodes, 1, 0
+        self.ready = ready_elsewhere
+
+    def ready_elsewhere(self, avoid: set) -> int:
+        return self.ready
+
+
+class Log:
+    def __init__(self):
+        self.records, self.dashboard = [], self
+        self.risks: dict = {}
+
+    def record(self, r) -> None:
+        self.records.append(r)
+
+    def node_risk(self, node: str, score: float) -> None:
+        self.risks[node] = score
+
+
+def watch(team, *overrides: str, faults=()):
+    from actors.health import HealthWatch
+
+    cfg = load_config("tiny", ["health.sources=[]", *overrides])
+    return HealthWatch(cfg, team, FaultPlan(list(faults)), log := Log()), log
+
+
+def ecc(node: str, t: float, dbe: int) -> Reading:
+    return Reading(node, t, "nvml", ecc_dbe=dbe)
+
+
+def test_a_rule_drains_without_a_replacement_down_to_min_workers_and_a_trend_waits_for_one():
+    team = Team({"w0": "a", "w1": "b", "w2": "c"})
+    hw, log = watch(team, "cluster.num_workers=3", "cluster.min_workers=2")
+    hw._node("c").add(ecc("c", 0, 0))
+    hw._node("c").add(ecc("c", 1, 1))  # an uncorrectable error: a rule
+    assert hw.watch(step=5) == {"c"} and log.records[-1].action == "drain" and log.risks["c"] == 1.0
+    assert hw.avoid["c"] == float("inf")
+
+    team = Team({"w0": "a", "w1": "b"})
+    hw, log = watch(team, "cluster.min_workers=2")  # one member left would be below the floor
+    hw._node("b").add(ecc("b", 0, 0))
+    hw._node("b").add(ecc("b", 1, 1))
+    assert hw.watch(step=5) == set() and log.records[-1].action == "wait" and team.extra_pool == 1
+
+    team = Team({"w0": "a", "w1": "b"})
+    hw, log = watch(team)
+    for i in range(CFG.persist + 1):  # single-bit errors rising: a trend, not a rule
+        hw._node("b").add(Reading("b", 5.0 * i, "nvml", ecc_sbe=5 * i))
+    assert hw.watch(step=5) == set() and log.records[-1].action == "wait" and team.extra_pool == 1
+    team.ready = 1  # the pool worker the autoscaler made room for is ready
+    assert hw.watch(step=6) == {"b"} and log.records[-1].action == "drain"
+
+
+def test_observe_scores_and_records_but_never_drains_and_a_node_drained_twice_is_a_lemon():
+    team = Team({"w0": "a", "w1": "b"}, ready_elsewhere=1)
+    hw, log = watch(team, "health.action=observe")
+    hw._node("b").add(Reading("b", 0, "nvml", xid=[79]))
+    assert hw.watch(step=3) == set() and log.records[-1].action == "watch" and not hw.avoid
+
+    hw, log = watch(team, "health.cooldown_s=0")
+    for step in (3, 10):
+        hw._node("b").add(Reading("b", step, "nvml", xid=[79]))
+        assert hw.watch(step) == {"b"}
+        team.workers = ["w0"]  # the drain happened
+        hw.watch(step + 1)  # cool-down (0 s) over: released, its history cleared
+        team.workers = ["w0", "w1"]  # a worker landed there again
+    assert [r.action for r in log.records] == ["drain", "release", "drain", "lemon", "release"]
+    assert hw.status()["lemons"] == ["b"]
