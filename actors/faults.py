@@ -19,7 +19,7 @@ import random
 import time
 
 from app.core.config import Fault
-from app.core.health import Reading
+from app.core.health import READING_FIELDS, Reading, read_script
 
 
 class FaultPlan:
@@ -62,6 +62,23 @@ class FaultPlan:
                     ecc_dbe=int(broken),
                 )
             )
+        return out
+
+
+class ScriptedTelemetry:
+    """A drill's telemetry (health.script): readings from a JSONL file, each after its `step`, for the node its
+    `rank` was on at that rank's first row. Labelled synthetic."""
+
+    def __init__(self, path: str):
+        self.rows = read_script(path)
+        self.bound: dict[int, str | None] = {}
+
+    def readings(self, step: int, node_of: dict[int, str]) -> list[Reading]:
+        out = []
+        for row in self.rows.get(step, []):
+            node = self.bound.setdefault(row["rank"], node_of.get(row["rank"]))
+            values = {k: v for k, v in row.items() if k in READING_FIELDS}
+            out.append(Reading(node, time.time(), "script", synthetic=True, **values))
         return out
 
 

@@ -17,6 +17,7 @@ import time
 import ray
 
 from actors import telemetry
+from actors.faults import ScriptedTelemetry
 from app.core.config import Config
 from app.core.health import Drift, NodeHealth, Risk, combine
 from app.core.records import Health
@@ -29,6 +30,7 @@ class HealthWatch:
         self.cfg, self.c, self.team, self.faults, self.log = cfg, cfg.health, team, faults, log_
         self.nodes: dict[str, NodeHealth] = {}
         self.drift = Drift(self.c)
+        self.script = ScriptedTelemetry(self.c.script) if self.c.script else None
         self.risk: dict[str, Risk] = {}
         self.level: dict[str, str] = {}  # node -> its last recorded action
         self.actors: dict[str, object] = {}  # node -> its telemetry actor
@@ -48,7 +50,8 @@ class HealthWatch:
         if speeds and len(speeds) == len(workers) and self.team.ranks == 1:
             self.drift.observe(workers, speeds)
         node_of = {rank: self.team.nodes.get(w) for rank, w in enumerate(workers)}
-        for reading in self.faults.readings(step, node_of):
+        scripted = self.script.readings(step, node_of) if self.script else []
+        for reading in self.faults.readings(step, node_of) + scripted:
             if reading.node is not None:
                 self._node(reading.node).add(reading)
 

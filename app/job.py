@@ -117,6 +117,11 @@ def train(
         from app.core.finetune import check_base
 
         check_base(cfg)
+    if cfg.health.script is not None:  # a drill's telemetry: read by the coordinator, which runs on this node
+        from app.core.health import read_script
+
+        read_script(cfg.health.script)
+        cfg = override(cfg, {"health.script": str(Path(cfg.health.script).resolve())})
     if cfg.ppo.reward is not None:  # a reward that cannot be loaded: refused here, not in every worker
         from app.core.rewards import load
 

@@ -233,3 +233,38 @@ def test_observe_scores_and_records_but_never_drains_and_a_node_drained_twice_is
         team.workers = ["w0", "w1"]  # a worker landed there again
     assert [r.action for r in log.records] == ["drain", "release", "drain", "lemon", "release"]
     assert hw.status()["lemons"] == ["b"]
+
+
+def test_a_scripted_drill_replays_its_readings_on_the_node_of_its_rank_labelled_synthetic(tmp_path):
+    from actors.faults import ScriptedTelemetry
+
+    script = tmp_path / "drill.jsonl"
+    script.write_text(
+        '{"step": 3, "rank": 1, "temperature_c": 91, "throttle_thermal": true}\n\n{"step": 5, "rank": 1, "xid": [79]}\n'
+    )
+    drill = ScriptedTelemetry(str(script))
+    assert drill.readings(2, {1: "n1"}) == []
+    (hot,) = drill.readings(3, {1: "n1"})
+    (gone,) = drill.readings(5, {1: "elsewhere"})  # the rank moved; the script stays with the node
+    assert (hot.node, hot.temperature_c, hot.synthetic, hot.source) == ("n1", 91, True, "script")
+    assert (gone.node, gone.xid) == ("n1", [79])
+    assert risk_after([hot, gone]).hard
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ('{"step": 3, "temperature_c": 91}', "needs `step` and `rank`"),
+        ('{"step": 3, "rank": 0, "temprature_c": 91}', "temprature_c"),
+        ("{step: 3}", "line 1: not JSON"),
+    ],
+)
+def test_a_bad_drill_script_is_refused_naming_the_line_and_what_is_wrong(tmp_path, text, named):
+    from app.core.health import read_script
+
+    script = tmp_path / "drill.jsonl"
+    script.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=named):
+        read_script(str(script))
+    with pytest.raises(ConfigError, match="cannot be read"):
+        read_script(str(tmp_path / "missing.jsonl"))

@@ -417,6 +417,12 @@ class HealthConfig(Section):
     mem_available_min: float = Field(
         0.05, ge=0, lt=1, description="host memory available below this share is a soft signal"
     )
+    script: str | None = Field(
+        None,
+        description="a drill's telemetry: a JSONL file of readings, each with the `step` after which it is read and "
+        "the `rank` whose node reports it (the node it is on at its first row), and any Reading field; replayed as "
+        "synthetic readings",
+    )
     cooldown_s: float = Field(600.0, ge=0, description="a drained node gets no new workers for this long")
     lemon_drains: int = Field(2, ge=1, description="a node drained this many times is listed as a lemon")
 

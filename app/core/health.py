@@ -9,12 +9,14 @@ speeds in, `Risk` out; actors/health.py acts on it.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from app.core.config import HealthConfig
+from app.core.config import ConfigError, HealthConfig
 
 # NVIDIA's Xid catalog: the events that precede a failure, or are one.
 HARD_XIDS = {
@@ -48,6 +50,34 @@ class Reading:
     pcie_replays: int | None = None
     mem_available: float | None = None  # share of host memory available
     swap_used: float | None = None  # share of swap in use
+
+
+READING_FIELDS = set(Reading.__dataclass_fields__) - {"node", "t", "source", "synthetic"}
+
+
+def read_script(path: str) -> dict[int, list[dict]]:
+    """A drill's telemetry file (health.script): step -> its rows, each with `rank` and Reading fields."""
+    rows: dict[int, list[dict]] = {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        why = f"cannot be read ({e.strerror}): give a JSONL file of readings"
+        raise ConfigError(f"health.script={path!r} {why}") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"health.script {path}, line {n}: not JSON ({e.msg})") from None
+        keys = set(row) if isinstance(row, dict) else set()
+        if not {"step", "rank"} <= keys or keys - READING_FIELDS - {"step", "rank"}:
+            raise ConfigError(
+                f"health.script {path}, line {n}: a reading needs `step` and `rank`, and may have "
+                f"{', '.join(sorted(READING_FIELDS))}; got {sorted(row) if isinstance(row, dict) else row!r}"
+            )
+        rows.setdefault(row["step"], []).append(row)
+    return rows
 
 
 @dataclass
