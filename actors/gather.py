@@ -47,13 +47,16 @@ def gather(refs: list, among: list, what: str, timeout: float, ping_s: float, re
     if failed is None and not pending:
         return [results[r] for r in refs]
     cause = getattr(failed, "cause", failed) if failed is not None else f"no answer within {timeout:.0f} s"
-    lost = find_lost(among, what, cause, ping_s, retire)
+    lost = find_lost(among, what, cause, ping_s, retire, str(failed) if failed is not None else None)
     raise WorkersLost(what, lost, [r in results for r in refs])
 
 
-def find_lost(workers: list, what: str, cause, ping_s: float, retire: Callable[[list], None]) -> list:
+def find_lost(
+    workers: list, what: str, cause, ping_s: float, retire: Callable[[list], None], details: str | None = None
+) -> list:
     """The workers that are dead or do not answer a ping within `ping_s`, stopped (a hung one would block the
-    next group too). None of them means `what` failed on live workers: a JobError saying `cause`."""
+    next group too). None of them means `what` failed on live workers: a JobError saying `cause`, with `details`
+    (the worker's traceback) for the driver's log."""
     pings = {w: w.info.remote() for w in workers}
     lost = []
     for worker, ref in pings.items():
@@ -66,7 +69,7 @@ def find_lost(workers: list, what: str, cause, ping_s: float, retire: Callable[[
                 lost.append(worker)
     retire(lost)
     if not lost:
-        raise JobError(f"{what} failed on live workers: {cause}")
+        raise JobError(f"{what} failed on live workers: {cause}", details)
     return lost
 
 

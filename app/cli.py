@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Failure as e:  # raised in an actor: its own message, not Ray's traceback
         what = "training failed" if args.func in (cmd_train, cmd_finetune, cmd_ppo) else "error"
-        print(f"etrain: {what}: {getattr(e, 'cause', e)}", file=sys.stderr)
+        failure = getattr(e, "cause", e)
+        details = getattr(failure, "details", None)
+        where = f"\n(details: {_log_text(details, getattr(args, 'log_file', None))})" if details else ""
+        print(f"etrain: {what}: {failure}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"etrain: interrupted{getattr(args, 'resume_hint', '')}", file=sys.stderr)
@@ -55,12 +58,16 @@ def _ray_up() -> bool:
 
 
 def _log_traceback(error: BaseException, path: Path | None) -> Path:
+    return _log_text("".join(traceback.format_exception(error)), path)
+
+
+def _log_text(text: str, path: Path | None) -> Path:
+    """`text` appended to the log file `path` (none: a new one under ~/.cache/etrain/logs), after the command."""
     name = f"etrain-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     path = path or Path.home() / ".cache" / "etrain" / "logs" / name
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} etrain {' '.join(sys.argv[1:])}\n")
-        traceback.print_exception(error, file=f)
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} etrain {' '.join(sys.argv[1:])}\n{text.rstrip()}\n")
     return path
 
 

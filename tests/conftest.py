@@ -7,6 +7,7 @@ all: `make test-unit` runs these in seconds)."""
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import ray
@@ -93,6 +94,15 @@ def ray_session(s3_server) -> int | None:
     )
     yield port
     ray.shutdown()
+
+
+@pytest.fixture
+def rng(request) -> random.Random:
+    """Draws for a test that covers combinations (which rank, which step, which mode) at random: a new seed each
+    run unless ETRAIN_TEST_SEED gives one. The seed is printed, and shown with the test's output when it fails."""
+    seed = int(os.environ.get("ETRAIN_TEST_SEED") or random.SystemRandom().randrange(2**32))
+    print(f"{request.node.nodeid}: seed {seed} (ETRAIN_TEST_SEED={seed} draws the same)")
+    return random.Random(seed)
 
 
 @pytest.fixture(scope="session")

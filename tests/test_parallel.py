@@ -4,10 +4,13 @@ tensor (TP's backward collectives, the pipeline's, the tied weights' and the rep
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from app.cli import main
 from app.core.config import ModelConfig, OptimConfig, ParallelConfig, load_config
@@ -16,6 +19,7 @@ from app.core.local_ranks import local_group
 from app.core.model import GPT
 from app.core.optim import make_optimizer
 from app.core.parallel import Replica, coords, make_mesh, stage_layers
+from app.core.ports import free_port
 
 MODEL = ModelConfig(n_layer=4, n_head=4, d_model=32, seq_len=16, vocab_size=64)
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=0, grad_clip=0.5)
@@ -136,3 +140,67 @@ def test_etrain_train_refuses_a_layout_the_model_cannot_take_before_making_a_run
     assert main(["train", "--config", "tiny", "--set", "parallel.tp=3", "--set", f"run.root={tmp_path}"]) == 2
     assert "parallel.tp=3 must divide model.n_head=4" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def _generations(plan: list[tuple[int, int, int, int]], out) -> None:
+    """One process through several groups in turn, as a warm worker goes: (generation, rank, world, port) each;
+    each group's step (loss, grad norm) put on `out`, or the traceback."""
+    import traceback
+
+    torch.set_num_threads(1)
+    cfg = ParallelConfig(tp=2)
+    rows = batches()[0]
+    for generation, rank, world, port in plan:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        try:
+            torch.manual_seed(0)
+            replica = Replica(GPT(MODEL), make_mesh(world, cfg, "cpu"), cfg, torch.device("cpu"))
+            mine = rows.chunk(world // cfg.ranks)[coords(rank, cfg).replica]
+            loss = replica.forward_backward(mine[:, :-1], mine[:, 1:])
+            out.put((generation, rank, (loss, replica.sync_and_clip(math.inf))))
+        except Exception:
+            out.put((generation, rank, traceback.format_exc()))
+            return
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("lost_replica", [0, 1])
+def test_survivors_renumbered_into_a_new_mesh_reach_its_groups_not_a_stale_one(lost_replica):
+    """Two replicas of tp=2; one replica is lost, the other goes on alone as ranks 0 and 1, then a new replica
+    joins as ranks 2 and 3. Issue 27's defect 1: when replica 0 was lost, the survivors (ranks 2 and 3 before)
+    failed in the third group with "Could not resolve the process group registered under the name 8": DTensor's
+    sharding cache handed back the first group's mesh, whose groups were gone. Every group's step must equal one
+    whole-model process's on the same batch, on every rank."""
+    torch.manual_seed(0)
+    model = GPT(MODEL)
+    rows = batches()[0]
+    _, want_loss = model(rows[:, :-1], rows[:, 1:])
+    want_loss.backward()
+    want_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf).item()
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    ports = [free_port() for _ in range(3)]
+    survivors = [r for r in range(4) if r // 2 != lost_replica]
+    plans = {old: [(0, old, 4, ports[0])] for old in range(4)}
+    for new, old in enumerate(survivors):
+        plans[old] += [(1, new, 2, ports[1]), (2, new, 4, ports[2])]
+    plans |= {f"joiner{r}": [(2, r, 4, ports[2])] for r in (2, 3)}
+    procs = [ctx.Process(target=_generations, args=(plan, out), daemon=True) for plan in plans.values()]
+    for p in procs:
+        p.start()
+    try:
+        results = [out.get(timeout=300) for _ in range(4 + 2 + 4)]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            p.kill()
+    failed = [r for r in results if isinstance(r[2], str)]
+    assert not failed, failed[0][2]
+    assert sorted((g, r) for g, r, _ in results) == [(0, r) for r in range(4)] + [(1, 0), (1, 1)] + [
+        (2, r) for r in range(4)
+    ]
+    for generation, rank, (loss, norm) in results:
+        assert loss == pytest.approx(want_loss.item(), rel=1e-5), (generation, rank)
+        assert norm == pytest.approx(want_norm, rel=1e-4), (generation, rank)

@@ -68,29 +68,33 @@ def test_a_laid_out_job_trains_and_evaluates_as_one_whole_model_worker(single, m
     assert final["step"] == STEPS  # the whole model gathered from the replica's ranks, committed
 
 
-def test_a_rank_lost_takes_its_replica_out_and_a_replica_formed_from_the_pool_takes_its_place(single, make_cfg):
-    """2 replicas of tp=2; rank 3 dies as step 4 begins. Its replica leaves whole (rank 2, whose forward failed,
-    exits), replica 0 redoes step 4 alone, and once two fresh workers have started, they join as a new replica,
-    each taking its twin's state. Every step once, every sample once: the single worker's losses throughout."""
-    steps = 80  # room for two workers to start (~3 s here) while replica 0 trains alone
+def test_a_rank_lost_takes_its_replica_out_and_a_replica_formed_from_the_pool_takes_its_place(single, make_cfg, rng):
+    """2 replicas of tp=2; a rank drawn at random dies as a step drawn at random begins. Its replica leaves whole
+    (its mate, whose forward failed, exits), the other replica redoes the step alone as ranks 0 and 1, and once two
+    fresh workers have started, they join as a new replica, each taking its twin's state. Every step once, every
+    sample once: the single worker's losses throughout. (Issue 27: a lost rank of replica 0 failed the job when
+    the new replica joined, while rank 3 worked.)"""
+    steps = 80  # room for two workers to start (~3 s here) while the surviving replica trains alone
+    rank, step = rng.randrange(4), rng.randrange(2, 8)
     cfg = make_cfg(
         *BASE,
         "run.name=lost-rank",
         f"train.steps={steps}",
         "cluster.num_workers=4",
         "parallel.tp=2",
-        "faults=[{rank: 3, step: 4, kind: kill}]",
+        f"faults=[{{rank: {rank}, step: {step}, kind: kill}}]",
     )
     run_dir = new_run_dir(cfg)
     summary = train(cfg, run_dir, progress=False)
     assert summary["steps"] == steps
     changes = [(m["step"], m["reason"], m["world_before"], m["world_after"]) for m in records(run_dir, "membership")]
-    assert changes[0] == (3, "recover", 4, 2), changes  # replica 1 left whole
+    assert changes[0] == (step - 1, "recover", 4, 2), changes  # the lost rank's replica left whole
     assert [c[1:] for c in changes[1:]] == [("scale-out", 2, 4)], changes  # a whole replica back, from the pool
     trained = records(run_dir, "train")
     assert [r["step"] for r in trained] == list(range(1, steps + 1))
     assert [r["samples"] for r in trained] == [16 * r["step"] for r in trained]  # the data cursor: whole batches
-    assert [r["world_size"] for r in trained] == [4] * 3 + [2] * (changes[1][0] - 3) + [4] * (steps - changes[1][0])
+    sizes = [4] * (step - 1) + [2] * (changes[1][0] - step + 1) + [4] * (steps - changes[1][0])
+    assert [r["world_size"] for r in trained] == sizes
     assert_same_losses(losses(run_dir), single(steps)[0])
 
     status = json.loads((run_dir / "status.json").read_text())  # what `etrain status` and the API show

@@ -9,7 +9,12 @@ class UsageError(ValueError):
 
 
 class Failure(RuntimeError):
-    """The work could not be done (training, storage); the message says why and what to do. Exit code 1."""
+    """The work could not be done (training, storage); the message says why and what to do. Exit code 1.
+    `details`: what the one line leaves out (a worker's traceback), for the log file the line names."""
+
+    def __init__(self, message: str, details: str | None = None):
+        super().__init__(message)
+        self.details = details
 
 
 def why(error: BaseException) -> str:

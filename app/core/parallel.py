@@ -39,8 +39,24 @@ def coords(rank: int, cfg: ParallelConfig) -> Coords:
 
 
 def make_mesh(world: int, cfg: ParallelConfig, device_type: str) -> DeviceMesh:
-    """The 3D mesh over the default process group: (dp, pp, tp), tp fastest."""
+    """The 3D mesh over the default process group: (dp, pp, tp), tp fastest.
+
+    DTensor caches sharding decisions keyed by meshes that compare equal by shape and root ranks alone, and the
+    specs it hands back hold the mesh of the first call, with its process groups. torch numbers groups afresh in
+    each generation, so a rank re-formed at an equal mesh (a survivor renumbered, a replica re-joined) would reach
+    a stale group's name: gone ("Could not resolve the process group"), or worse, another group of the new
+    generation. The caches go with the groups."""
+    forget_sharding_caches()
     return init_device_mesh(device_type, (world // cfg.ranks, cfg.pp, cfg.tp), mesh_dim_names=("dp", "pp", "tp"))
+
+
+def forget_sharding_caches() -> None:
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 def stage_layers(n_layer: int, pp: int) -> list[range]:
