@@ -110,8 +110,8 @@ class Coordinator:
                 )
             self._rewind(point, "resume", load_s=time.perf_counter() - started)
         self.saved_step = self.evaluated_step = self.at.step
-        if self.scorers and self.at.step == 0:  # PPO: the base policy's reward first, to measure the rise against
-            self.evaluated_step = -1
+        if self.scorers and self.at.step == 0 and not self.log.recorded("eval", 0):
+            self.evaluated_step = -1  # PPO: the base policy's reward first (once), to measure the rise against
         if (self.cfg.comm.zero or self.scorers) and self.saver.latest(self.cfg.hash()) is None:
             self.loss = self._checkpoint()  # something to go back to when a worker is lost (see _recover)
         self.team.refill()
@@ -216,7 +216,7 @@ class Coordinator:
         reached = (self.saver.reached() or meta["step"]) if kind == "resume" else self.at.step
         self.at.step, self.at.cursor = meta["step"], meta["cursor"]
         self.saved_step = self.evaluated_step = self.at.step
-        self.saver.base = None  # the next save is a full one: a light one needs hashes of a base this run wrote
+        self.saver.rewound(point)
         self.guards.load(meta, resume=kind == "resume")
         self.stepper.load(meta)
         if kind == "resume":
@@ -303,7 +303,7 @@ class Coordinator:
 
     def status(self) -> dict:
         """Where the run stands (`etrain status`, the Python API, status.json)."""
-        train, evaluated, saved = (self.log.latest.get(k, {}) for k in ("train", "eval", "checkpoint"))
+        train, evaluated = (self.log.latest.get(k, {}) for k in ("train", "eval"))
         team = self.team
         return {
             "run": self.run_dir.name,
@@ -318,7 +318,7 @@ class Coordinator:
             "eval_loss": evaluated.get("eval_loss"),
             "tokens_per_s": train.get("tokens_per_s"),
             "mfu": train.get("mfu"),
-            "last_checkpoint": {k: saved[k] for k in ("step", "level", "path")} if saved else None,
+            "last_checkpoint": self.saver.last,
             "world_size": len(team.workers),
             "layout": self._layout(),
             "wanted": team.wanted,

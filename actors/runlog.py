@@ -17,7 +17,7 @@ from actors.control import JobError, State
 from actors.dashboard import Dashboard
 from app.core.config import Config
 from app.core.lease import Keeper, Lease
-from app.core.records import Record, append_jsonl, eta_s, summarize, truncate_after, write_json
+from app.core.records import Record, append_jsonl, eta_s, read_jsonl, summarize, truncate_after, write_json
 
 PACE_STEPS = 20  # the ETA's pace: the last this many steps
 STATUS_S = 1.0  # status.json is rewritten at most this often while records come
@@ -60,6 +60,10 @@ class RunLog:
     def eta(self, steps_left: int) -> float | None:
         with self._lock:
             return eta_s(list(self._commits), steps_left)
+
+    def recorded(self, kind: str, step: int) -> bool:
+        """Whether metrics.jsonl holds a record of `kind` at `step` (from this session or an earlier one)."""
+        return any(r["kind"] == kind and r["step"] == step for r in read_jsonl(self.run_dir / "metrics.jsonl"))
 
     def rewind(self, step: int) -> int:
         """The records of the steps after `step` go aside (metrics.redone.jsonl): they are redone. How many."""

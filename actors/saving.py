@@ -62,6 +62,7 @@ class Saver:
         self.saving: Save | None = None  # one at a time
         self.base: dict | None = None  # the last full checkpoint this run wrote: directory, step, weight hashes
         self.stall = 0.0  # seconds saves held the step loop up since the last step (its record carries them)
+        self.last: dict | None = None  # the newest committed checkpoint this run knows: step, level, path
         self.cursor_log = checkpoint.CursorLog(uri)
 
     def level(self, step: int) -> str | None:
@@ -154,7 +155,15 @@ class Saver:
         except STORAGE_ERRORS as e:  # the save stands; older checkpoints stay until a later retention succeeds
             log.warning("checkpoint at step %d: removing older checkpoints failed: %s", step, describe(e))
             record.retain_error = describe(e)
+        self.last = {"step": step, "level": save.meta["level"], "path": save.path}
         self._record(record)
+
+    def rewound(self, point: RewindPoint) -> None:
+        """The run went back to `point`: the next save is a full one (a light one needs hashes of a base this run
+        wrote), and the checkpoint gone back to is the newest this run has."""
+        self.base = None
+        if point.ckpt is not None:
+            self.last = {"step": point.meta["step"], "level": point.meta["level"], "path": point.ckpt.path}
 
     def _failed(self, step: int, why, save: Save | None = None) -> None:
         if save is not None:  # the wall-clock cadence counts from the last save that was written

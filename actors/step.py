@@ -105,7 +105,6 @@ class Stepper:
             self.guards.accept(lead.grad_norm)
         for worker, report in zip(workers, reports):
             self.balancer.observe(worker, report.samples, report.compute_s)
-        self.saver.observe([r.saving for r in reports])
         if self.balancer.balanced != was_balanced:
             self.log.record(Balance(n, self.balancer.balanced, [len(s) for s in shares]))
         self.commit(at, batch, reports, time.perf_counter() - started)
@@ -125,8 +124,9 @@ class Stepper:
     def commit(
         self, at: Position, batch: int, reports: list[StepReport] | None, elapsed: float, extra: dict | None = None
     ) -> None:
-        """The step is done: the cursor moves on, and its record is written (with `extra`: a PPO step's means).
-        Without reports when the survivors of a lost member committed it (their losses miss the lost one's share)."""
+        """The step is done: the cursor moves on, and its record is written (with `extra`: a PPO step's means), and a
+        save in flight commits once its writers say they are done. Without reports when the survivors of a lost
+        member committed it (their losses miss the lost one's share)."""
         at.advance(batch)
         record = Train(at.step, len(self.team.workers), batch, at.cursor, extra=extra or {})
         if reports is not None:
@@ -161,6 +161,8 @@ class Stepper:
             record.checkpoint_stall_s = self.saver.stall
         self.saver.stall = 0.0
         self.log.record(record)
+        if reports is not None:
+            self.saver.observe([r.saving for r in reports])
         self.log.dashboard.pool(self.team.pool.ready())
         self.saver.stepped(at.step, at.cursor, batch)
         self.team.stepped()

@@ -3,6 +3,7 @@ bounded, the records carry the step's statistics, and a PPO run that dies resume
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,25 @@ def test_a_worker_lost_mid_step_sends_the_run_back_to_its_checkpoint_and_it_lear
     assert [r["reason"] for r in records(run_dir, "membership")] == ["recover"]
     ours, theirs = records(run_dir, "train"), records(reference, "train")
     assert [(r["loss"], r["reward"]) for r in ours] == [(r["loss"], r["reward"]) for r in theirs]
+
+
+def test_a_ppo_run_commits_each_checkpoint_as_it_trains_and_resumes_from_the_newest(base_run, reference, rng):
+    """Issue 27, defect 2: a PPO checkpoint was committed only when the next save began, so a run stopped between
+    two saves resumed from the one before (from step 0, redoing everything), evaluated step 0 twice, and its status
+    named no checkpoint. A save is committed once a step reports its writer done: the run's writer (rank 0) killed
+    as step newest + 3 begins (two steps after the save of step `newest`: time for a few MB to be written) leaves
+    that save committed. Before the fix the run went back to newest - 4, or failed with none."""
+    newest = rng.randrange(0, STEPS - 3, 4)
+    common = ["run.name=ppo-stopped"]
+    cfg = ppo_config(base_run, *common, "cluster.max_recoveries=0", f"faults=[{{rank: 0, step: {newest + 3}}}]")
+    run_dir = new_run_dir(cfg)
+    with pytest.raises(JobError, match="max_recoveries"):
+        train(cfg, run_dir, progress=False)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["last_checkpoint"]["step"] == newest, status["last_checkpoint"]
+    train(ppo_config(base_run, *common), run_dir, resume=True, progress=False)
+    assert records(run_dir, "resume")[0]["step"] == newest
+    assert [e["step"] for e in records(run_dir, "eval")] == [0, 8, 16]  # step 0's once, whatever the resume
+    ours, theirs = records(run_dir, "train"), records(reference, "train")
+    assert [(r["step"], r["loss"], r["reward"]) for r in ours] == [(r["step"], r["loss"], r["reward"]) for r in theirs]
+    assert json.loads((run_dir / "status.json").read_text())["last_checkpoint"]["step"] == STEPS
