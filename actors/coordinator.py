@@ -33,7 +33,7 @@ from actors.faults import FaultPlan
 from actors.gather import WorkersLost
 from actors.guards import Guards
 from actors.health import HealthWatch
-from actors.membership import Loss, Team
+from actors.membership import Loss, Team, whole_replicas
 from actors.ppo_step import PPOStepper
 from actors.ps_mode import PSTraining
 from actors.runlog import RunLog
@@ -58,7 +58,7 @@ class Coordinator:
         self.team = Team(cfg, manifest, workers, self.data, self.balancer, self.log, self.hint)
         self.saver = Saver(cfg, checkpoint_uri(cfg, self.run_dir), self.log.record, self.team.gather)
         self.guards = Guards(cfg.train)
-        self.faults = FaultPlan(cfg.faults)
+        self.faults = FaultPlan(cfg.faults, self.log.record, [r["fault"] for r in self.log.history("fault")])
         self.health = HealthWatch(cfg, self.team, self.faults, self.log)
         parts = (cfg, self.team, self.data, self.balancer, self.guards, self.faults, self.saver, self.log)
         self.scorers = scorers.start(cfg) if cfg.ppo.reward else None  # PPO: the reference model, the reward
@@ -68,6 +68,7 @@ class Coordinator:
 
     def run(self, resume: bool) -> dict:
         try:
+            self.log.start()
             self.data.open()
             if self.cfg.comm.mode == "ps":
                 self._train_ps(resume)
@@ -151,8 +152,9 @@ class Coordinator:
     def _evaluate(self) -> Loss | None:
         self.evaluated_step = self.at.step
         try:
-            loss = evaluate(self.team, self.data.eval_ids, self.cfg.timeouts.step_s)
-            reward = self.stepper.reward(self.cfg.timeouts.step_s) if self.scorers else None
+            faults = self.faults.due(self.at.step, during="eval")
+            loss = evaluate(self.team, self.data.eval_ids, self.cfg.timeouts.step_s, {} if self.scorers else faults)
+            reward = self.stepper.reward(self.cfg.timeouts.step_s, faults) if self.scorers else None
         except WorkersLost as gone:  # this evaluation is lost with them; the next comes after recovery
             return Loss(gone.lost, gone.since)
         if loss is not None:
@@ -185,21 +187,31 @@ class Coordinator:
         return self.team.resize(self.at, whole)
 
     def _recover(self) -> Loss | None:
-        """With ZeRO-1 the lost workers took their optimizer shards along, and in a PPO step the survivors may have
-        made some of its updates: everyone goes back to the last checkpoint."""
+        """With ZeRO-1 the lost workers took their optimizer shards along, in a PPO step the survivors may have
+        made some of its updates, and with a layout whose every replica lost a rank no live twin holds the lost
+        ranks' parts: everyone goes back to the last checkpoint."""
         self.saver.finish()  # a lost writer fails it; the others' parts are of a good step
         whole = None
-        if self._sharded() or self.scorers:
-            why = "a worker lost in a PPO step" if self.scorers else "a worker lost with its ZeRO-1 optimizer shard"
+        if why := self._needs_rollback():
             point = self.saver.rollback_point(self.cfg.hash(), why, self.hint)
             self._rewind(point, "rollback")
             whole = ray.put(point.ckpt.parts)
         return self.team.recover(self.loss, self.at, whole)
 
+    def _needs_rollback(self) -> str | None:
+        """Why the lost members' state can only come from the last checkpoint, if it can only come from there."""
+        if self.scorers:
+            return "a worker lost in a PPO step"
+        if self._sharded():
+            return "a worker lost with its ZeRO-1 optimizer shard"
+        if self.team.ranks > 1 and not whole_replicas(self.team.workers, self.loss.lost, self.team.ranks)[0]:
+            return "a rank lost from every replica (no live replica holds its part of the model)"
+        return None
+
     def _roll_back_nan(self) -> Loss | None:
         """A non-finite gradient (nobody stepped): back to the last checkpoint with the lr halved."""
         failed = self.at.step + 1
-        self.guards.diverged(failed, self.hint)
+        self.guards.diverged(failed, self.hint, *[self.stepper.suspects] if self.scorers else [])
         point = self.saver.rollback_point(self.cfg.hash(), "a non-finite gradient", self.hint)
         self._rewind(point, "rollback")
         whole = ray.put(point.ckpt.parts)

@@ -12,14 +12,22 @@ last scale event would go blank between events.
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from app.core.records import STEP_PARTS
 
 
+def run_tag(run: str) -> str:
+    """The run's name as the `run` tag: Ray's metrics take ASCII tags only, so a name in another script is
+    percent-encoded (模型 → %E6%A8%A1%E5%9E%8B), as in a URL."""
+    return run if run.isascii() else quote(run, safe="")
+
+
 class Dashboard:
     def __init__(self, run: str, ranks: int = 1):
-        self.tags, self.ranks = {"run": run}, ranks  # ranks: workers per model replica
+        self.tags, self.ranks = {"run": run_tag(run)}, ranks  # ranks: workers per model replica
         keys = ("run",)
         self.gauges = {
             name: Gauge(f"etrain_{name}", text, tag_keys=keys)

@@ -17,27 +17,35 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Callable
 
 from app.core.config import Fault
 from app.core.health import READING_FIELDS, Reading, read_script
+from app.core.records import FaultFired, Record
 
 
 class FaultPlan:
-    def __init__(self, faults: list[Fault]):
-        self.faults, self.fired = faults, set()
+    def __init__(self, faults: list[Fault], record: Callable[[Record], None], fired: list[dict] = ()):
+        """`fired`: faults the run injected before (a resumed run's earlier drivers): each is injected once."""
+        self.faults, self.record = faults, record
+        self.fired = {i for i, f in enumerate(faults) if f.model_dump() in fired}
         self.bound: dict[int, str | None] = {}  # ecc fault -> the node that reports it
 
-    def due(self, step: int, pool_ready: bool = True) -> dict[int, dict]:
-        """rank -> the fault it meets at `step` (1-based), each fault once; one that waits for a ready pool worker
-        (`ready_pool`) at the first step from its own on where there is one."""
+    def due(self, step: int, pool_ready: bool = True, during: str = "step") -> dict[int, dict]:
+        """rank -> the fault it meets at `step` (1-based; `during` its work or the evaluation after it), each fault
+        once; one that waits for a ready pool worker (`ready_pool`) at the first step from its own on where there
+        is one."""
         due = {
             i: f
             for i, f in enumerate(self.faults)
             if i not in self.fired
+            and f.during == during
             and (f.step == step or f.ready_pool and f.step < step)
             and (pool_ready or not f.ready_pool)
         }
         self.fired |= set(due)
+        for f in due.values():
+            self.record(FaultFired(step, f.model_dump()))
         return {f.rank: f.model_dump() for f in due.values()}
 
     def readings(self, step: int, node_of: dict[int, str]) -> list[Reading]:

@@ -47,7 +47,8 @@ def gather(refs: list, among: list, what: str, timeout: float, ping_s: float, re
     if failed is None and not pending:
         return [results[r] for r in refs]
     cause = getattr(failed, "cause", failed) if failed is not None else f"no answer within {timeout:.0f} s"
-    lost = find_lost(among, what, cause, ping_s, retire, str(failed) if failed is not None else None)
+    details = "\n".join(filter(None, [str(failed) if failed is not None else None, getattr(cause, "details", None)]))
+    lost = find_lost(among, what, cause, ping_s, retire, details or None)
     raise WorkersLost(what, lost, [r in results for r in refs])
 
 

@@ -73,13 +73,14 @@ class Guards:
         """An outlier was skipped; True when the guard started over (a new regime)."""
         return self.norms.reject(self.cfg.outlier_patience)
 
-    def diverged(self, step: int, resume_hint: str) -> None:
-        """A non-finite gradient at `step`: halve the lr for the rollback, or fail after train.max_nan_rollbacks."""
+    def diverged(self, step: int, resume_hint: str, suspects: str = "lower optim.lr or check the data") -> None:
+        """A non-finite gradient at `step`: halve the lr for the rollback, or fail after train.max_nan_rollbacks
+        saying what to look at (`suspects`)."""
         self.nan_rollbacks += 1
         if self.nan_rollbacks > self.cfg.max_nan_rollbacks:
             raise JobError(
                 f"the gradient at step {step} is not finite after {self.cfg.max_nan_rollbacks} rollbacks "
-                f"(train.max_nan_rollbacks), each halving the lr; lower optim.lr or check the data, then {resume_hint}"
+                f"(train.max_nan_rollbacks), each halving the lr; {suspects}, then {resume_hint}"
             )
         self.lr_scale /= 2
 

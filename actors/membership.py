@@ -189,6 +189,15 @@ class Team:
             self.pool.preparing[worker] = attach = self.data.attach([worker], [node], at.cursor, read=True)[0]
             ray.wait([attach], timeout=ATTACH_S)
 
+    def await_ready(self, count: int, at: Position) -> None:
+        """Wait, up to timeouts.join_s, until the pool has `count` ready workers (refilled, and attached as they
+        come): a group that lost every member, or every replica, cannot go on without them."""
+        deadline = time.monotonic() + self.cfg.timeouts.join_s
+        while self.pool.ready() < count and time.monotonic() < deadline:
+            self.pool.refill(max(self.pool_size(), count))
+            self.prepare_pool(at)
+            time.sleep(0.05)
+
     def target(self) -> int:
         """The world size the next step boundary can reach: shrinking at once, growing by ready pool workers only."""
         world = len(self.workers)
@@ -234,6 +243,8 @@ class Team:
         survivors, broken = whole_replicas(self.workers, loss.lost, self.ranks)
         if mates := [w for w in broken if w not in loss.lost]:
             self._give_back(mates, self.wanted - len(survivors))
+        if not survivors:  # the group starts over from the pool (with `whole`, a checkpoint): a replica's worth
+            self.await_ready(self.ranks, at)
         self.recoveries += 1
         return self.change(
             survivors, self.wanted - len(survivors), "recover", at, loss.since, lost=len(loss.lost), whole=whole
@@ -252,7 +263,12 @@ class Team:
         event = Membership(at.step, reason, len(self.workers), len(members) + len(joiners), lost, len(joiners),
                            [self.nodes.get(w) for w in joiners], leaving, phases)  # fmt: skip
         if not members + joiners:
-            raise JobError(f"no worker left and none ready in the warm pool; {self.resume_hint}")
+            raise JobError(
+                f"no whole replica left and {self.pool.ready()} of the {self.ranks} workers it needs ready in the warm "
+                f"pool within timeouts.join_s (cluster.warm_pool={self.cfg.cluster.warm_pool}); {self.resume_hint}"
+                if self.ranks > 1
+                else f"no worker left and none ready in the warm pool within timeouts.join_s; {self.resume_hint}"
+            )
         self.balancer.forget(members + joiners)
         try:
             self.form(members + joiners, at, reason, phases, whole)
@@ -290,7 +306,7 @@ class Team:
         phases["migrate"] = time.perf_counter() - t
         t = time.perf_counter()
         self.gather([w.leave.remote() for w in members], members, "group exit", join_s)
-        if whole is not None:
+        if whole is not None and self.ranks == 1:  # a laid-out rank takes its part of it once in the group
             loaded = time.perf_counter()
             self.gather([w.load_state.remote(whole, step) for w in members], members, "state migration", join_s)
             phases["migrate"] += time.perf_counter() - loaded
@@ -300,9 +316,12 @@ class Team:
         joins = [w.join.remote(rank, len(members), host, port, self.generation) for rank, w in enumerate(members)]
         applied = self.gather(joins, members, "process group formation", join_s)
         phases["reform"] = time.perf_counter() - t
-        if self.ranks > 1 and reason != "start":
+        if self.ranks > 1 and (whole is not None or reason != "start"):
             t = time.perf_counter()
-            self._from_twins(members, applied, step)
+            if whole is not None:  # each rank its part of the checkpoint's whole model
+                self.gather([w.load_state.remote(whole, step) for w in members], members, "state load", join_s)
+            else:
+                self._from_twins(members, applied, step)
             phases["migrate"] += time.perf_counter() - t
         self.workers = members
 

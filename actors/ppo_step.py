@@ -12,7 +12,7 @@ from actors.gather import WorkersLost
 from actors.step import Outcome, Position, Stepper, StepReport
 from app.core.ppo import AdaptiveKL
 
-MEANS = ("reward", "kl", "response_len", "clip_fraction", "entropy", "value_loss", "policy_loss")
+MEANS = ("reward", "kl", "kl_coef", "response_len", "clip_fraction", "entropy", "value_loss", "policy_loss")
 
 
 class PPOStepper(Stepper):
@@ -39,18 +39,30 @@ class PPOStepper(Stepper):
         if not all(r.finite for r in reports):
             return Outcome(diverged=True)
         means = {k: sum(r.ppo[k] for r in reports) / count for k in MEANS}
-        extra = {**means, "kl_coef": self.kl.beta}
+        extra = {**means, "kl_base": self.kl.beta}
         self.kl.update(means["kl"], count)
         self.commit(at, count, reports, time.perf_counter() - started, extra)
         return Outcome()
 
-    def reward(self, timeout: float) -> float:
+    def reward(self, timeout: float, faults: dict | None = None) -> float:
         """The policy's mean reward on the held-out prompts, split over the members. WorkersLost as evaluate."""
-        workers = self.team.workers
+        workers, faults = self.team.workers, faults or {}
         shares = np.array_split(np.arange(self.cfg.ppo.eval_prompts), len(workers))
-        refs = [w.ppo_evaluate.remote(ids, self.scorers) for w, ids in zip(workers, shares)]
+        refs = [
+            w.ppo_evaluate.remote(ids, self.scorers, faults.get(r)) for r, (w, ids) in enumerate(zip(workers, shares))
+        ]
         results = self.team.gather(refs, workers, "reward evaluation", timeout)
         return sum(r[0] for r in results) / sum(r[1] for r in results)
+
+    @property
+    def suspects(self) -> str:
+        """What a non-finite PPO gradient points at: the value head regresses the reward's scores."""
+        last = self.log.latest.get("train", {}).get("reward")
+        seen = f" (the last step's mean: {last:.3g})" if last is not None else ""
+        return (
+            f"check the scale of reward {self.cfg.ppo.reward}'s scores{seen}: the value head learns them, so keep "
+            "them within about ±10; or lower optim.lr"
+        )
 
     def state(self) -> dict:
         return {"kl_coef": self.kl.beta}

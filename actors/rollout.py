@@ -16,9 +16,20 @@ import ray
 import torch
 import torch.distributed as dist
 
+from actors.scorers import wait_for_scores
 from actors.step import StepReport
 from app.core.model import sample
-from app.core.ppo import entropy, gae, moments, policy_loss, token_logprobs, token_rewards, value_loss, whiten
+from app.core.ppo import (
+    boosted,
+    entropy,
+    gae,
+    moments,
+    policy_loss,
+    token_logprobs,
+    token_rewards,
+    value_loss,
+    whiten,
+)
 from app.core.rewards import Task
 from pipelines.tokenizer import EOT, decode, encode
 
@@ -59,13 +70,15 @@ def ppo_step(worker, indices, beta: float, lr_scale: float, scorers: tuple, seed
     generator = torch.Generator(worker.device).manual_seed(seed)
     sequences, responses, mask, texts = rollouts(worker, prompts, generator)
     reference, rewarder = scorers
-    asked = [reference.logprobs.remote(sequences.cpu(), ppo.prompt_len), rewarder.score.remote(prompts, texts)]
+    asked = reference.logprobs.remote(sequences.cpu(), ppo.prompt_len), rewarder.score.remote(prompts, texts)
     with torch.no_grad(), worker._autocast():
         logits, values = worker.model(sequences, values=True)
     old_logp = token_logprobs(logits[:, ppo.prompt_len - 1 : -1], responses)
     old_values = values[:, ppo.prompt_len - 1 : -1].float() * mask
-    ref_logp, scores = ray.get(asked)
-    ref_logp, scores = ref_logp.to(worker.device), torch.tensor(scores, device=worker.device)
+    scores = torch.tensor(wait_for_scores(rewarder, prompts, texts, cfg, asked[1]), device=worker.device)
+    ref_logp = ray.get(asked[0]).to(worker.device)
+    kl = ((old_logp - ref_logp) * mask).sum(1)  # per response, in nats
+    beta = boosted(beta, mean_over_workers(kl, worker.world), ppo.kl_target, ppo.kl_gain)
     rewards = token_rewards(scores, old_logp, ref_logp, mask, beta)
     advantages, returns = gae(rewards, old_values, mask, ppo.gamma, ppo.lam)
     sums = moments(advantages, mask)
@@ -75,7 +88,6 @@ def ppo_step(worker, indices, beta: float, lr_scale: float, scorers: tuple, seed
     computing = time.perf_counter()
     stats = update(worker, sequences, responses, mask, old_logp, old_values, advantages, returns, lr_scale, generator)
     n, share = len(indices), len(indices) / ppo.rollouts
-    kl = ((old_logp - ref_logp) * mask).sum(1)  # per response, in nats
     return StepReport(
         finite=math.isfinite(stats["grad_norm"]),
         skipped=False,
@@ -95,9 +107,18 @@ def ppo_step(worker, indices, beta: float, lr_scale: float, scorers: tuple, seed
             "reward": scores.sum().item(),
             "kl": kl.sum().item(),
             "response_len": mask.sum().item(),
+            "kl_coef": beta * n,  # the same on every worker: the step's rollouts' KL, over all of them
             **{k: stats[k] * n for k in ("clip_fraction", "entropy", "value_loss", "policy_loss")},
         },
     )
+
+
+def mean_over_workers(x: torch.Tensor, world: int) -> float:
+    """The mean of `x` over every worker's entries."""
+    sums = torch.stack([x.sum(), torch.tensor(float(len(x)), device=x.device)]).double()
+    if world > 1:
+        dist.all_reduce(sums)
+    return (sums[0] / sums[1]).item()
 
 
 def rollouts(worker, prompts: list[str], generator: torch.Generator):
@@ -159,5 +180,5 @@ def evaluate(worker, indices, scorers: tuple) -> tuple[float, int]:
     prompts = prompts_for(worker.task, worker.cfg.train.seed, indices, stream="eval")
     generator = torch.Generator(worker.device).manual_seed(int(indices[0]))
     _, _, _, texts = rollouts(worker, prompts, generator)
-    scores = ray.get(scorers[1].score.remote(prompts, texts))
+    scores = wait_for_scores(scorers[1], prompts, texts, worker.cfg)
     return float(sum(scores)), len(scores)

@@ -7,6 +7,7 @@ been taken over by another driver, not one more line is written and the job stop
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -19,8 +20,11 @@ from app.core.config import Config
 from app.core.lease import Keeper, Lease
 from app.core.records import Record, append_jsonl, eta_s, read_jsonl, summarize, truncate_after, write_json
 
+log = logging.getLogger(__name__)
+
 PACE_STEPS = 20  # the ETA's pace: the last this many steps
 STATUS_S = 1.0  # status.json is rewritten at most this often while records come
+HEARTBEAT_S = 5.0  # and at least this often between records (a long evaluation): `etrain status` sees it alive
 
 
 class RunLog:
@@ -35,6 +39,20 @@ class RunLog:
         self._commits: deque = deque(maxlen=PACE_STEPS)
         self._lock = threading.Lock()
         self._status_due = 0.0
+        self._stopped = threading.Event()
+        self._writing = threading.Lock()
+
+    def start(self) -> None:
+        """status.json from now on: at once, with every burst of records, and every HEARTBEAT_S between them."""
+        self.write_status()
+        threading.Thread(target=self._heartbeat, name="status", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        while not self._stopped.wait(HEARTBEAT_S):
+            try:
+                self.write_status()
+            except Exception as e:  # read while the loop changes it: the next beat, or the next record, writes it
+                log.debug("status.json not written this beat: %s", e)
 
     def record(self, record: Record) -> None:
         if self.keeper.lost:  # another driver owns the run now
@@ -65,6 +83,11 @@ class RunLog:
         """Whether metrics.jsonl holds a record of `kind` at `step` (from this session or an earlier one)."""
         return any(r["kind"] == kind and r["step"] == step for r in read_jsonl(self.run_dir / "metrics.jsonl"))
 
+    def history(self, kind: str) -> list[dict]:
+        """Every record of `kind` the run has written, those of steps a resume or rollback redid included."""
+        files = ("metrics.redone.jsonl", "metrics.jsonl")
+        return [r for name in files for r in read_jsonl(self.run_dir / name) if r["kind"] == kind]
+
     def rewind(self, step: int) -> int:
         """The records of the steps after `step` go aside (metrics.redone.jsonl): they are redone. How many."""
         return truncate_after(self.run_dir / "metrics.jsonl", step)
@@ -73,7 +96,9 @@ class RunLog:
         """status.json: what `etrain status RUN` reads without Ray, also after the job has ended."""
         if self.keeper.lost:  # the run's new owner writes it
             return
-        write_json(self.run_dir / "status.json", {**self.status(), "updated": time.time()})
+        status = {**self.status(), "updated": time.time()}
+        with self._writing:  # the heartbeat's and the loop's: one file, one writer at a time
+            write_json(self.run_dir / "status.json", status)
         self._status_due = time.monotonic() + STATUS_S
 
     def summary(self) -> dict:
@@ -82,4 +107,5 @@ class RunLog:
         return summary
 
     def close(self) -> None:
+        self._stopped.set()
         self.keeper.stop()

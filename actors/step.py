@@ -128,7 +128,8 @@ class Stepper:
         save in flight commits once its writers say they are done. Without reports when the survivors of a lost
         member committed it (their losses miss the lost one's share)."""
         at.advance(batch)
-        record = Train(at.step, len(self.team.workers), batch, at.cursor, extra=extra or {})
+        workers = len(self.team.workers)
+        record = Train(at.step, workers, batch, at.cursor, workers // self.team.ranks, extra=extra or {})
         if reports is not None:
             tokens_per_s = batch * self.tokens_per_sample / elapsed
             slowest = max(reports, key=lambda r: r.worker_s)  # the others waited for it
@@ -168,14 +169,16 @@ class Stepper:
         self.team.stepped()
 
 
-def evaluate(team, eval_ids: np.ndarray, timeout: float) -> float | None:
-    """The mean loss of the current weights on the held-out samples, split over the members.
-    WorkersLost if a member is lost meanwhile: this evaluation is lost with it."""
+def evaluate(team, eval_ids: np.ndarray, timeout: float, faults: dict | None = None) -> float | None:
+    """The mean loss of the current weights on the held-out samples, split over the members (`faults`: rank -> an
+    injected fault, during: eval). WorkersLost if a member is lost meanwhile: this evaluation is lost with it."""
     if not len(eval_ids):
         return None
     workers, ranks = team.workers, team.ranks
     replicas = len(workers) // ranks
     shares = order.split(eval_ids, [1.0] * replicas) if len(eval_ids) >= replicas else [eval_ids]
     shares = [shares[rank // ranks] for rank in range(len(shares) * ranks)]  # a replica's ranks read alike
-    results = team.gather([w.evaluate.remote(s) for w, s in zip(workers, shares)], workers, "evaluation", timeout)
+    faults = faults or {}
+    refs = [w.evaluate.remote(s, faults.get(rank)) for rank, (w, s) in enumerate(zip(workers, shares))]
+    results = team.gather(refs, workers, "evaluation", timeout)
     return sum(r[0] for r in results) / sum(r[1] for r in results)

@@ -355,7 +355,8 @@ class TrainWorker:
             self.applied = step + 1
         return report
 
-    def ppo_evaluate(self, indices: np.ndarray, scorers: tuple) -> tuple[float, int]:
+    def ppo_evaluate(self, indices: np.ndarray, scorers: tuple, fault: dict | None = None) -> tuple[float, int]:
+        faults.apply(fault, self)
         return rollout.evaluate(self, indices, scorers)
 
     def _forward_backward(self, rows: torch.Tensor, divisor: float) -> float:
@@ -506,8 +507,9 @@ class TrainWorker:
         return [name[id(p)] for g in make_param_groups(self.model, self.cfg.optim) for p in g["params"]]
 
     @torch.no_grad()
-    def evaluate(self, ids: np.ndarray) -> tuple[float, int]:
+    def evaluate(self, ids: np.ndarray, fault: dict | None = None) -> tuple[float, int]:
         """Sum of per-sample mean losses over `ids` (held-out split), and their count."""
+        faults.apply(fault, self)
         self.model.eval()
         if self.replica is not None:  # every rank of the replica runs it; rank 0 of the replica answers
             rows = self._tensor(self.eval_data.get(ids))

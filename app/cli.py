@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from app.core.errors import Failure, UsageError
@@ -73,55 +74,77 @@ def _log_text(text: str, path: Path | None) -> Path:
 
 def cmd_train(args, started_at: float) -> int:
     from app.core.config import ConfigError, load_config
-    from app.job import durable, new_run_dir
 
     if args.resume and args.config:
         raise ConfigError("--resume takes the run's own config.yaml; drop --config (use --set for resumable keys)")
     if args.resume:
-        run_dir = durable(Path(args.resume).expanduser().resolve(), "--resume")
-        cfg = _resume_config(run_dir, args.set)
-    else:
-        cfg = load_config(args.config, args.set)
-        run_dir = new_run_dir(cfg)
-    return _train(args, cfg, run_dir, started_at)
+        return _resume(args, started_at)
+    return _train(args, load_config(args.config, args.set), None, started_at)
 
 
 def cmd_finetune(args, started_at: float) -> int:
     from app.core.finetune import finetune_config
-    from app.job import new_run_dir
 
     cfg = finetune_config(args.source, args.config, args.set)
     print(f"base: {cfg.finetune.base}", file=sys.stderr)
-    return _train(args, cfg, new_run_dir(cfg), started_at)
+    return _train(args, cfg, None, started_at)
 
 
 def cmd_ppo(args, started_at: float) -> int:
     from app.core.config import override
     from app.core.finetune import finetune_config
     from app.core.rewards import load, resolve
-    from app.job import new_run_dir
 
     reward = load(resolve(args.reward)).name  # a reward that cannot be loaded: refused first, in one line
     cfg = override(finetune_config(args.source, args.config, args.set), {"ppo.reward": reward})
     print(f"base: {cfg.finetune.base}; reward: {args.reward}", file=sys.stderr)
-    return _train(args, cfg, new_run_dir(cfg), started_at)
+    return _train(args, cfg, None, started_at)
 
 
-def _train(args, cfg, run_dir: Path, started_at: float) -> int:
-    from app.job import train
+def _resume(args, started_at: float) -> int:
+    """A run goes on: its own config with the resumable --set keys, refused before anything starts or is written if
+    it is not a run that can (an export, a run that has trained all its steps)."""
+    from app.job import check_resume, durable
 
+    run_dir = durable(Path(args.resume).expanduser().resolve(), "--resume")
+    cfg = _resume_config(run_dir, args.set)
+    check_resume(run_dir, cfg)
+    return _train(args, cfg, run_dir, started_at)
+
+
+def _train(args, cfg, run_dir: Path | None, started_at: float) -> int:
+    """Train `cfg` in `run_dir` (None: a new run's, made once its inputs are checked, so that a refusal leaves no
+    directory behind; one refused later, before its job started, is removed again)."""
+    from app.core.errors import UsageError
+    from app.job import check_inputs, new_run_dir, train
+
+    cfg = check_inputs(cfg)
+    new = run_dir is None
+    if new:
+        run_dir = new_run_dir(cfg)
+    elif args.set:  # a resume's changes to its resumable keys, kept with the run once its inputs passed
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
     args.log_file = run_dir / "driver.log"
     args.resume_hint = f"; resume with `etrain train --resume {run_dir}`"
     print(f"run directory: {run_dir}", file=sys.stderr)
-    with _logging_to(args.log_file):
-        summary = train(
-            cfg,
-            run_dir,
-            resume=bool(getattr(args, "resume", None)),
-            started_at=started_at,
-            progress=not args.no_progress,
-            log_every=args.log_every,
-        )
+    try:
+        with _logging_to(args.log_file):
+            summary = train(
+                cfg,
+                run_dir,
+                resume=not new,
+                started_at=started_at,
+                progress=not args.no_progress,
+                log_every=args.log_every,
+                checked=True,
+            )
+    except UsageError:
+        if new and not (run_dir / "metrics.jsonl").exists() and not (run_dir / "status.json").exists():
+            import shutil
+
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing but its config: the run never started
+            args.log_file = None
+        raise
     print(json.dumps(summary, indent=1))
     print(f"metrics: {run_dir / 'metrics.jsonl'}\nsummary: {run_dir / 'summary.json'}", file=sys.stderr)
     return 0
@@ -219,8 +242,8 @@ def _read_status(run: str) -> dict:
         return st
     if Path(run).is_dir():
         raise UsageError(
-            f"{run} has no status.json: the run started before etrain wrote one, or never formed its group; `etrain "
-            f"report {run}` summarises its records"
+            f"{run} has no status.json: its job has not started a coordinator (the driver failed before it, or it "
+            f"is starting now); `etrain report {run}` summarises its records"
         )
     from app import api
 
@@ -257,31 +280,44 @@ def _status_text(st: dict) -> str:
         f"  recoveries {st['recoveries']}  group generation {st['generation']}  sync {st['comm']}",
         "  last checkpoint: " + (f"step {ckpt['step']} ({ckpt['level']}) {ckpt['path']}" if ckpt else "none yet"),
     ]
+    health = st.get("health") or {"nodes": {}, "lemons": []}
+    node = _node_names(
+        [*st["draining_nodes"], *health["nodes"], *health["lemons"], *(m["node"] for m in st["members"])]
+    )
     lay = st.get("layout")
     if lay and lay["ranks"] > 1:
         pipeline = f", {lay['schedule']} over {lay['microbatches']} micro-batches" if lay["pp"] > 1 else ""
         shape = f"tp {lay['tp']} × pp {lay['pp']} = {lay['ranks']} ranks"
         lines.append(f"  layout: {lay['replicas']} replica(s) of {shape}{pipeline}")
     if st["draining_nodes"]:
-        lines.append(f"  draining nodes (preemption or health): {', '.join(n[:8] for n in st['draining_nodes'])}")
-    lines += _health_lines(st.get("health") or {"nodes": {}, "lemons": []})
+        lines.append(f"  draining nodes (preemption or health): {', '.join(map(node, st['draining_nodes']))}")
+    lines += _health_lines(health, node)
     for m in st["members"]:
         speed = f"{m['speed']:.1f} samples/s" if m["speed"] else "speed not measured yet"
         place = f"  replica {m['replica']} stage {m['stage']} shard {m['shard']}" if "replica" in m else ""
-        lines.append(f"    rank {m['rank']}: node {(m['node'] or '?')[:8]} pid {m['pid']}{place}  {speed}")
+        lines.append(f"    rank {m['rank']}: node {node(m['node'])} pid {m['pid']}{place}  {speed}")
     return "\n".join(lines)
 
 
-def _health_lines(health: dict) -> list[str]:
+def _node_names(nodes: list[str | None]) -> Callable[[str | None], str]:
+    """Node ids as short as tells them apart, 8 characters at least, as git shortens commits: Ray's fake nodes (and
+    some real ones) share their first 8."""
+    ids = sorted({n for n in nodes if n})
+    common = max((len(os.path.commonprefix(pair)) for pair in zip(ids, ids[1:])), default=0)
+    width = max(8, common + 1)
+    return lambda n: n[:width] if n else "?"
+
+
+def _health_lines(health: dict, node: Callable[[str | None], str]) -> list[str]:
     """Each node's failure risk and its reasons, worst first; the lemons."""
     lines = []
-    for node, h in sorted(health["nodes"].items(), key=lambda kv: -kv[1]["risk"]):
+    for name, h in sorted(health["nodes"].items(), key=lambda kv: -kv[1]["risk"]):
         why = "; ".join(h["reasons"]) or "no signal"
         cool = f", cooling down {_duration(h['cooldown_s'])}" if h.get("cooldown_s") else ""
         drill = " [synthetic]" if h["synthetic"] else ""
-        lines.append(f"  node {node[:8]} risk {h['risk']:.2f} {h['state']}{cool}{drill}: {why}")
+        lines.append(f"  node {node(name)} risk {h['risk']:.2f} {h['state']}{cool}{drill}: {why}")
     if health["lemons"]:
-        lines.append(f"  lemons (drained repeatedly): {', '.join(n[:8] for n in health['lemons'])}")
+        lines.append(f"  lemons (drained repeatedly): {', '.join(map(node, health['lemons']))}")
     return lines
 
 
@@ -426,10 +462,7 @@ def _resume_config(run_dir: Path, overrides: list[str]):
             raise ConfigError(
                 f"--set {key} cannot change on resume (it changes what is trained); resumable: {', '.join(RESUMABLE)}"
             )
-    cfg = load_config(str(saved), overrides)
-    if overrides:
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    return cfg
+    return load_config(str(saved), overrides)
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):

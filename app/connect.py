@@ -11,7 +11,9 @@ failure as such). Only an address that answered goes to `ray.init`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import socket
 
 import ray
@@ -82,6 +84,7 @@ def probe(address: str, timeout_s: float) -> str:
             "the job runs (the head node), or set RAY_ADDRESS to its head (host:6379)"
         )
     host, port = target.rsplit(":", 1)
+    _token_mode_if_token()
     try:
         socket.create_connection((host, int(port)), timeout=min(timeout_s, 5)).close()
     except OSError as e:
@@ -90,8 +93,9 @@ def probe(address: str, timeout_s: float) -> str:
             f"takes its local Ray with it), or set RAY_ADDRESS / cluster.address to the head's host:port"
         ) from None
     try:
-        client = ray._raylet.InnerGcsClient.standalone(target, None, int(timeout_s * 1000))
-        client.internal_kv_get(b"session_name", b"session", timeout=timeout_s)
+        with _quiet_stderr():  # Ray's C++ client logs a refusal itself; the ConfigError below says it in one line
+            client = ray._raylet.InnerGcsClient.standalone(target, None, int(timeout_s * 1000))
+            client.internal_kv_get(b"session_name", b"session", timeout=timeout_s)
     except ray.exceptions.AuthenticationError:
         raise ConfigError(f"the Ray cluster at {target} refused this client's token: {TOKEN_HELP}") from None
     except ray.exceptions.RpcError:
@@ -100,3 +104,30 @@ def probe(address: str, timeout_s: float) -> str:
             "a Ray head, or one that is hung"
         ) from None
     return target
+
+
+def _token_mode_if_token() -> None:
+    """Token authentication for this client when RAY_AUTH_MODE is unset and a token is at hand (RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token): a run started here by `etrain train` has token auth on (Ray's default
+    for a new local cluster) and its token in ~/.ray/auth_token, and `etrain scale` or `status` must reach it as
+    it is. As Ray's own ray.init does for a cluster it starts; a cluster without token auth ignores the token."""
+    from ray._private.authentication.authentication_token_setup import AUTH_MODE_ENV_VAR, _enable_token_auth
+    from ray._raylet import AuthenticationTokenLoader
+
+    if os.environ.get(AUTH_MODE_ENV_VAR) is None and AuthenticationTokenLoader.instance().has_token(
+        ignore_auth_mode=True
+    ):
+        _enable_token_auth()
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """The process's own stderr (file descriptor 2, where C++ writes) discarded for the duration."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -65,6 +65,12 @@ def resolve_data(cfg: Config) -> str:
     """Manifest URI to train on, building the embedded corpus when none is given."""
     if cfg.data.source == "embedded":
         return ensure_corpus(cfg)
+    check_data(cfg)
+    return cfg.data.source
+
+
+def check_data(cfg: Config) -> None:
+    """A prepared corpus (data.source) that is there, readable, and packed for this model."""
     manifest = training_manifest(cfg.data.source)
     if manifest["seq_len"] != cfg.model.seq_len:
         raise ConfigError(
@@ -76,7 +82,55 @@ def resolve_data(cfg: Config) -> str:
             f"data {cfg.data.source} uses {manifest['vocab_size']} token ids, but "
             f"model.vocab_size={cfg.model.vocab_size}"
         )
-    return cfg.data.source
+
+
+def check_inputs(cfg: Config) -> Config:
+    """What the user gave, checked before Ray starts and before a run directory is made, so that a refusal (exit 2)
+    leaves nothing behind: the base and its LoRA targets, a drill's telemetry, the reward, the data, the cluster's
+    address. The config comes back with its local paths absolute: the coordinator and the workers run elsewhere."""
+    if cfg.checkpoint.uri and "://" not in cfg.checkpoint.uri:
+        cfg = override(
+            cfg, {"checkpoint.uri": str(durable(Path(cfg.checkpoint.uri).expanduser().resolve(), "checkpoint.uri"))}
+        )
+    if cfg.finetune.base is not None:  # a base that is gone or changed, or targets that name no layer of it
+        from app.core.finetune import check_base
+
+        check_base(cfg)
+    if cfg.health.script is not None:  # a drill's telemetry: read by the coordinator, which runs on this node
+        from app.core.health import read_script
+
+        read_script(cfg.health.script, max(cfg.cluster.num_workers, cfg.cluster.max_workers or 0))
+        cfg = override(cfg, {"health.script": str(Path(cfg.health.script).resolve())})
+    if cfg.ppo.reward is not None:  # a reward that cannot be loaded, fails or is too slow
+        from app.core import rewards
+
+        per_call = -(-max(cfg.ppo.rollouts, cfg.ppo.eval_prompts) // cfg.cluster.num_workers)
+        rewards.probe(rewards.load(cfg.ppo.reward), per_call, cfg.reward_timeout_s())
+    if cfg.data.source != "embedded":
+        check_data(cfg)
+    address = cfg.cluster.address or (None if ray.is_initialized() else os.environ.get("RAY_ADDRESS"))
+    if address and not address.startswith("ray://"):  # Ray Client's: its own connection, with its own timeout
+        cluster.probe(address, cfg.timeouts.connect_s)
+    return cfg
+
+
+def check_resume(run_dir: Path, cfg: Config) -> None:
+    """A run that can go on: not an export (weights only, no run to continue), not one that has trained every step
+    of cfg.train.steps already (its summary would be overwritten by a run of no steps)."""
+    from app.core.checkpoint import newest_meta
+
+    meta = newest_meta(checkpoint_uri(cfg, run_dir))
+    if meta is not None and "exported_from" in meta:
+        raise ConfigError(
+            f"{run_dir} is an export of {meta['exported_from']} (weights only), not a run: it cannot be resumed; "
+            f"fine-tune from it with `etrain finetune --from {run_dir}`"
+        )
+    if meta is not None and meta["step"] >= cfg.train.steps:
+        raise ConfigError(
+            f"run {run_dir} has trained all of its train.steps={cfg.train.steps} (its newest checkpoint is at step "
+            f"{meta['step']}); to train it longer: etrain train --resume {run_dir} --set train.steps=N (N > "
+            f"{meta['step']})"
+        )
 
 
 def check_memory(cfg: Config) -> None:
@@ -103,29 +157,14 @@ def train(
     progress: bool = True,
     on_eval: Callable[[dict], None] | None = None,
     log_every: float = 30.0,
+    checked: bool = False,
 ) -> dict:
     """Run (or resume) a job to its end; `on_eval` sees each evaluation record as it happens (a Tune trial reports
-    them).
+    them); `checked`: the caller has run `check_inputs` on `cfg` already (the CLI, before making the run directory).
     The run's lease is taken first: a run another live driver is training is refused (RunBusy)."""
     started_at = started_at or time.time()
     run_dir = durable(Path(run_dir).resolve(), "the run directory")
-    if cfg.checkpoint.uri and "://" not in cfg.checkpoint.uri:  # the coordinator's working directory is not ours
-        cfg = override(
-            cfg, {"checkpoint.uri": str(durable(Path(cfg.checkpoint.uri).expanduser().resolve(), "checkpoint.uri"))}
-        )
-    if cfg.finetune.base is not None:  # here, before any worker starts: a base that is gone or changed is refused
-        from app.core.finetune import check_base
-
-        check_base(cfg)
-    if cfg.health.script is not None:  # a drill's telemetry: read by the coordinator, which runs on this node
-        from app.core.health import read_script
-
-        read_script(cfg.health.script)
-        cfg = override(cfg, {"health.script": str(Path(cfg.health.script).resolve())})
-    if cfg.ppo.reward is not None:  # a reward that cannot be loaded: refused here, not in every worker
-        from app.core.rewards import load
-
-        load(cfg.ppo.reward)
+    cfg = cfg if checked else check_inputs(cfg)
     lease = acquire(checkpoint_uri(cfg, run_dir), run_dir.name, cfg.timeouts.lease_s)
     try:
         return _run(cfg, run_dir, resume, started_at, Progress(cfg.train.steps, progress, log_every), on_eval, lease)

@@ -59,17 +59,26 @@ class LocalCluster:
     def dashboard(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
+    @property
+    def token_path(self) -> Path:
+        return Path(self.workdir) / "auth_token"
+
     def env(self) -> dict[str, str]:
-        """What a client of this cluster needs: `ray job submit`, `etrain status`, a driver."""
+        """What a client of this cluster needs: `ray job submit`, `etrain status`, a driver. The token by its file
+        (readable by its owner alone), never by value: these lines are printed, and terminals, CI logs and shared
+        screens keep what is printed."""
         return {
             "RAY_ADDRESS": self.address,
             "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN": self.token,
+            "RAY_AUTH_TOKEN_PATH": str(self.token_path),
             "RAY_API_SERVER_ADDRESS": self.dashboard,
         }
 
     def start(self, timeout: float = 60) -> None:
         workdir = Path(self.workdir)
+        self.token_path.touch(mode=0o600)
+        self.token_path.chmod(0o600)
+        self.token_path.write_text(self.token)
         bin_dir = Path(sys.executable).parent
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # not another Ray's settings
         env |= {

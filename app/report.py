@@ -315,7 +315,9 @@ def _summary(records: list[dict], layout: dict) -> dict:
         "mean_tokens_per_s": steady_tokens_per_s(train),
         "mean_mfu": _time_mean(steady, "mfu"),
         "membership": dict(changes),
-        "layout": layout | {"replicas": sorted({r["world_size"] // layout["ranks"] for r in train})},
+        # each step's own count: a run resumed in another layout ran its earlier steps in that one
+        "layout": layout
+        | {"replicas": sorted({r.get("replicas") or r["world_size"] // layout["ranks"] for r in train})},
         "checkpoints": len(_of(records, "checkpoint")),
         "checkpoints_failed": len(_of(records, "checkpoint_failed")),
         "recoveries": changes["recover"] + len(_of(records, "resume")) + len(_of(records, "rollback")),

@@ -11,10 +11,11 @@ import random
 
 import pytest
 import ray
-from faults import S3Faults
 
 from app.core.config import Config, load_config
 from app.core.ports import free_port
+
+from faults import S3Faults
 
 
 @pytest.fixture(scope="session")

@@ -11,13 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
-from runs import wait_until
 
 from pipelines import order
 from pipelines.cache import ShardCache
 from pipelines.embedded import ensure_corpus
 from pipelines.shards import ShardError, ShardReader, read_manifest
 from pipelines.stream import StreamingReader
+
+from runs import wait_until
 
 ray_test = pytest.mark.usefixtures("ray_session")
 

@@ -7,13 +7,14 @@ import threading
 import time
 
 import pytest
-from faults import immutable
-from runs import FAST, records
 
 from actors.control import JobError
 from app.core import checkpoint
 from app.core.storage import StorageError
 from app.job import new_run_dir, train
+
+from faults import immutable
+from runs import FAST, records
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

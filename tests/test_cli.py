@@ -80,3 +80,18 @@ def test_status_of_an_ended_run_is_read_from_its_directory(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["updated_s_ago"] > 100
     (tmp_path / "empty").mkdir()
     assert main(["status", str(tmp_path / "empty")]) == 2
+
+
+def test_status_tells_nodes_apart_that_share_their_first_characters(tmp_path, capsys):
+    """Issue 27, defect 14: Ray's fake nodes share the first 8 characters of their ids, and `etrain status` showed
+    two nodes as one (`node ffffffff` twice). Each is shown by as many characters as tell them apart."""
+    a, b = "ffffffff" + "0" * 10 + "a1" + "9" * 36, "ffffffff" + "0" * 10 + "b2" + "9" * 36
+    members = [{"rank": r, "node": n, "pid": 10 + r, "speed": None} for r, n in enumerate([a, b])]
+    status_file(tmp_path / "two", "running", members=members, draining_nodes=[b])
+    assert main(["status", str(tmp_path / "two"), "--once"]) == 0
+    out = capsys.readouterr().out
+    assert f"rank 0: node {a[:19]} " in out and f"rank 1: node {b[:19]} " in out
+    assert f"draining nodes (preemption or health): {b[:19]}" in out
+    status_file(tmp_path / "one", "running", members=members[:1])
+    assert main(["status", str(tmp_path / "one"), "--once"]) == 0
+    assert f"rank 0: node {a[:8]} " in capsys.readouterr().out  # alone: the usual 8

@@ -17,10 +17,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from runs import wait_until
 
 from app.core.records import read_jsonl
 from app.local_cluster import LocalCluster
+
+from runs import wait_until
 
 STATUS = "import json, sys; from app import api; print(json.dumps(api.status(sys.argv[1])))"
 
@@ -189,9 +190,13 @@ def test_cluster_up_env_and_down_start_and_stop_exactly_one_head(tmp_path, monke
 
     monkeypatch.setattr(local_cluster, "STATE", tmp_path / "cluster.json")
     assert main(["cluster", "up", "--no-autoscaler"]) == 0
-    exports = capsys.readouterr().out
-    assert exports.startswith("export RAY_ADDRESS=127.0.0.1:") and "RAY_AUTH_MODE=token RAY_AUTH_TOKEN=" in exports
+    printed = capsys.readouterr()
+    exports = printed.out
     cluster = local_cluster.current()
+    # issue 27, defect 14: the token by its file, never on the terminal (CI logs and shared screens keep it)
+    assert exports.startswith("export RAY_ADDRESS=127.0.0.1:") and "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=" in exports
+    assert cluster.token not in exports + printed.err
+    assert cluster.token_path.read_text() == cluster.token and oct(cluster.token_path.stat().st_mode)[-3:] == "600"
     assert cluster.processes() and oct((tmp_path / "cluster.json").stat().st_mode)[-3:] == "600"
     assert main(["cluster", "up"]) == 2  # one at a time
     assert "is running at" in capsys.readouterr().err

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import ray
 import torch
-from runs import records, run, run_scaled
 from test_training import form_group
 
 from actors.worker import _assemble, spawn
@@ -18,6 +17,8 @@ from app.core.model import GPT
 from app.core.optim import lr_factor
 from app.job import train
 from pipelines.embedded import ensure_corpus
+
+from runs import records, run, run_scaled
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

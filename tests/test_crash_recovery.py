@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import ray
-from runs import FAST, records, start_driver, wait_for_step
 
 from actors.control import JobError
 from app.api import NAMESPACE
 from app.core.checkpoint import checkpoint_uri, load_latest
 from app.job import new_run_dir, train
+
+from runs import FAST, records, start_driver, wait_for_step
 
 STEPS = ["train.steps=24", "checkpoint.every=6"]
 

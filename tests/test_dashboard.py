@@ -14,10 +14,10 @@ import threading
 import time
 import urllib.request
 
-from runs import FAST, records
-
 from app.cli import main
 from app.job import new_run_dir, train
+
+from runs import FAST, records
 
 SAMPLE = re.compile(r"^(ray_etrain_\w+)\{([^}]*)\} (\S+)$")
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import ray
-from runs import FAST, records, run, run_scaled
 
 from actors.gather import find_lost
 from actors.worker import spawn
@@ -19,6 +18,8 @@ from app.cli import main
 from app.core.optim import lr_factor
 from app.job import new_run_dir, train
 from pipelines.embedded import ensure_corpus
+
+from runs import FAST, records, run, run_scaled
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import records, run
 
 from actors.control import JobError
 from app.cli import main
@@ -21,6 +20,8 @@ from app.core.config import ConfigError
 from app.core.finetune import build_model, finetune_config, load_trained_state
 from app.core.model import GPT
 from app.job import new_run_dir, train
+
+from runs import records, run
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

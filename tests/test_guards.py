@@ -7,12 +7,13 @@ import json
 import math
 
 import pytest
-from runs import FAST, records, run
 
 from actors.control import JobError
 from actors.guards import NormWatch
 from app.core.optim import lr_factor
 from app.job import train
+
+from runs import FAST, records, run
 
 ray_test = pytest.mark.usefixtures("ray_session")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 
@@ -96,7 +97,7 @@ def test_a_steady_straggler_is_a_drift_too():
 
 
 def test_the_ecc_drill_reports_rising_errors_then_an_uncorrectable_one_on_the_node_it_began_on():
-    plan = FaultPlan([Fault(rank=1, step=3, kind="ecc", until=12, warning=4)])
+    plan = FaultPlan([Fault(rank=1, step=3, kind="ecc", until=12, warning=4)], [].append)
     assert plan.readings(2, {1: "n1"}) == []
     node = NodeHealth(CFG)
     for step in range(3, 12):
@@ -154,11 +155,25 @@ def test_fault_and_health_config_errors_name_the_key():
 
 
 def test_a_fault_that_waits_for_a_ready_pool_worker_fires_at_the_first_step_with_one():
-    plan = FaultPlan([Fault(rank=1, step=3, kind="kill", ready_pool=True), Fault(rank=0, step=3, kind="hang")])
+    plan = FaultPlan(
+        [Fault(rank=1, step=3, kind="kill", ready_pool=True), Fault(rank=0, step=3, kind="hang")], [].append
+    )
     assert plan.due(3, pool_ready=False) == {0: Fault(rank=0, step=3, kind="hang").model_dump()}
     assert plan.due(4, pool_ready=False) == {}
     assert list(plan.due(5, pool_ready=True)) == [1]
     assert plan.due(6, pool_ready=True) == {}
+
+
+def test_a_fault_is_recorded_when_it_fires_and_a_resumed_run_does_not_fire_it_again():
+    """Issue 27, defect 12: faults live in the run's config, and the `--resume` a failure suggested fired the
+    injected fault again (and again)."""
+    kill, hang = Fault(rank=1, step=3, kind="kill"), Fault(rank=0, step=5, kind="hang")
+    said = []
+    plan = FaultPlan([kill, hang], said.append)
+    assert list(plan.due(3)) == [1]
+    assert [(r.step, r.fault) for r in said] == [(3, kill.model_dump())] and said[0].as_dict()["kind"] == "fault"
+    resumed = FaultPlan([kill, hang], [].append, fired=[r.fault for r in said])
+    assert resumed.due(3) == {} and list(resumed.due(5)) == [0]
 
 
 class Team:
@@ -188,7 +203,7 @@ def watch(team, *overrides: str, faults=()):
     from actors.health import HealthWatch
 
     cfg = load_config("tiny", ["health.sources=[]", *overrides])
-    return HealthWatch(cfg, team, FaultPlan(list(faults)), log := Log()), log
+    return HealthWatch(cfg, team, FaultPlan(list(faults), [].append), log := Log()), log
 
 
 def ecc(node: str, t: float, dbe: int) -> Reading:
@@ -257,6 +272,14 @@ def test_a_scripted_drill_replays_its_readings_on_the_node_of_its_rank_labelled_
         ('{"step": 3, "temperature_c": 91}', "needs `step` and `rank`"),
         ('{"step": 3, "rank": 0, "temprature_c": 91}', "temprature_c"),
         ("{step: 3}", "line 1: not JSON"),
+        # issue 27, defect 5: values were not checked (a bare TypeError at step 5, or a row silently never used)
+        ('{"step": 5, "rank": 0, "xid": 79}', re.escape("line 1: `xid` input should be a valid list (got 79)")),
+        ('{"step": "5", "rank": 0, "xid": [79]}', re.escape("`step` must be a step number from 1, got '5'")),
+        ('{"step": 0, "rank": 0}', "`step` must be a step number from 1, got 0"),
+        ('{"step": 5, "rank": 4, "xid": [79]}', re.escape("`rank` must be one of this run's ranks 0-3, got 4")),
+        ('{"step": 5, "rank": 1.0}', re.escape("`rank` must be one of this run's ranks 0-3, got 1.0")),
+        ('{"step": 5, "rank": 1, "temperature_c": "91"}', "`temperature_c` input should be a valid number"),
+        ('{"step": 5, "rank": 1, "ecc_dbe": true}', "`ecc_dbe` input should be a valid integer"),
     ],
 )
 def test_a_bad_drill_script_is_refused_naming_the_line_and_what_is_wrong(tmp_path, text, named):
@@ -265,6 +288,6 @@ def test_a_bad_drill_script_is_refused_naming_the_line_and_what_is_wrong(tmp_pat
     script = tmp_path / "drill.jsonl"
     script.write_text(text + "\n")
     with pytest.raises(ConfigError, match=named):
-        read_script(str(script))
+        read_script(str(script), ranks=4)
     with pytest.raises(ConfigError, match="cannot be read"):
         read_script(str(tmp_path / "missing.jsonl"))

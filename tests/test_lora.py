@@ -173,3 +173,36 @@ def test_cli_refuses_a_missing_base_and_an_unmerged_export_of_a_lora_run(base_ru
     (lora_run / "config.yaml").write_text(finetune_config(str(base_run), None, []).to_yaml())
     assert main(["export", str(lora_run), "--out", str(tmp_path / "out")]) == 2
     assert "add --merge" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_the_configs_linear_layers_are_the_models():
+    """LoRA's rank bound and memory estimate count adapters by the config's arithmetic: it names and sizes the
+    model's linear layers as the model does."""
+    cfg = load_config("tiny", ["model.n_layer=3", "model.vocab_size=300"])
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    real = {n: (m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert cfg.model.linear_shapes() == real
+
+
+def test_lora_targets_and_rank_are_refused_before_anything_starts_and_adapters_count_in_memory(
+    base_run, tmp_path, capsys
+):
+    """Issue 27, defects 7 and 13: targets that named no layer were found only by the workers (exit 1, a run
+    directory left behind), and rank 20000 on a 128-wide model wrote a 469 MB checkpoint from a 5 MB base while
+    the memory estimate left adapters out. A rank above a targeted layer's narrowest side is refused (its update
+    could not use it); targets are checked in the driver; adapters and their optimizer state count in memory."""
+    with pytest.raises(ConfigError, match=r"finetune.lora.rank=20000 exceeds 128, the narrowest side"):
+        finetune_config(str(base_run), None, ["finetune.lora.rank=20000"])
+    narrow = finetune_config(str(base_run), None, ["finetune.lora.rank=128"])  # the bound itself is allowed
+    small = finetune_config(str(base_run), None, ["finetune.lora.rank=8"])
+    full = finetune_config(str(base_run), None, ["finetune.method=full"])
+    per_block = 4 * (128 + 128)  # attn.q, k, v, proj: (in + out) features each
+    assert small.lora_params() == 8 * per_block * small.model.n_layer
+    assert narrow.worker_memory() - small.worker_memory() == 16 * (128 - 8) * per_block * small.model.n_layer
+    assert small.worker_memory() < full.worker_memory()  # frozen weights have no gradient or AdamW state
+    root = tmp_path / "runs"
+    sets = ["--set", f"run.root={root}", "--set", "finetune.lora.targets=[attn.qq]"]
+    assert main(["finetune", "--from", str(base_run), *sets]) == 2
+    assert "finetune.lora.targets ['attn.qq'] name no linear layer of this model" in capsys.readouterr().err
+    assert not root.exists()  # refused before a run directory was made

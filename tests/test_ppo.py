@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.core.ppo import AdaptiveKL, entropy, gae, moments, policy_loss, token_rewards, value_loss, whiten
+from app.core.ppo import AdaptiveKL, boosted, entropy, gae, moments, policy_loss, token_rewards, value_loss, whiten
 
 pytestmark = pytest.mark.unit
 
@@ -66,6 +66,12 @@ def test_the_value_loss_takes_the_larger_of_the_clipped_and_unclipped_errors():
 
 def test_entropy_of_a_uniform_distribution_is_log_of_its_size():
     assert entropy(torch.zeros(2, 4, 7), MASK).item() == pytest.approx(torch.log(torch.tensor(7.0)).item())
+
+
+def test_a_step_above_the_kl_target_is_penalised_by_a_power_of_its_overshoot_and_below_it_by_beta():
+    assert boosted(0.05, kl=3.0, target=6.0, gain=4) == 0.05  # below the target: beta as it is
+    assert boosted(0.05, kl=12.0, target=6.0, gain=4) == pytest.approx(0.05 * 16)  # twice the target: 2^4
+    assert boosted(0.05, kl=12.0, target=6.0, gain=0) == 0.05  # gain 0: Ziegler's law alone
 
 
 def test_the_kl_coefficient_moves_towards_the_target_with_a_clipped_error():

@@ -7,13 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
-from runs import records, run
 
 from actors.control import JobError
+from app.cli import main
 from app.core.config import override
 from app.core.finetune import finetune_config
 from app.job import new_run_dir, train
 from app.report import write_report
+
+from runs import etrain_lines, records, run
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -38,13 +40,25 @@ def reference(base_run) -> Path:
     return run_dir
 
 
-def test_ppo_raises_the_held_out_reward_and_keeps_the_kl_bounded(reference):
+def test_ppo_raises_the_held_out_reward_and_holds_the_kl_at_its_target(reference):
+    """The KL target is ppo.kl_target = 6 nats per response. Issue 27, defect 16: with Ziegler's law alone (beta
+    moves at most 0.2 × 32/10,000 a step) the KL ran to 10-14 nats within 16 steps, and the old bound (10) passed
+    on one machine and failed on another: the trajectory is the same only on the same CPU kernels (run with
+    ATEN_CPU_CAPABILITY=default, the same commit diverges at step 7), because a float rounded otherwise samples
+    another token. So nothing here rests on the trajectory but what holds for any of them: (1) each step's
+    coefficient is the law's, from its own rollouts' KL; (2) the law holds the KL under twice the target, which a
+    step would have to overshoot in one update from below the target (the largest one-step rise seen in 7 runs of
+    3 seeds at two learning rates was 4 nats, of the 6 it takes; the highest KL 9.3); (3) the held-out reward
+    rises: 64 prompts × 8 tokens give its mean a sampling spread of about 0.05, and a rise of 0.3 is far beyond it
+    (0.54 to 0.63 in those runs)."""
     evals, steps = records(reference, "eval"), records(reference, "train")
     assert [e["step"] for e in evals] == [0, 8, 16]
+    target, gain = 6.0, 4.0
+    for r in steps:  # (1) the coefficient applied: the slow base, boosted by the step's own overshoot
+        assert r["kl_coef"] == pytest.approx(r["kl_base"] * max(1.0, r["kl"] / target) ** gain, rel=1e-9), r
+    assert all(0 <= r["kl"] < 2 * target for r in steps), [r["kl"] for r in steps]  # (2) nats per response
     before, after = evals[0]["eval_reward"], evals[-1]["eval_reward"]
-    # 64 held-out prompts x 8 tokens: the mean's sampling spread is about 0.05; a rise of 0.3 is far beyond it
-    assert after - before > 0.3, (before, after)
-    assert all(0 <= r["kl"] < 10 for r in steps), [r["kl"] for r in steps]  # nats per response
+    assert after - before > 0.3, (before, after)  # (3)
     assert all({"reward", "kl", "kl_coef", "clip_fraction", "entropy", "value_loss"} <= r.keys() for r in steps)
     assert steps[0]["clip_fraction"] < 0.5
     assert write_report(reference)["plots"]["ppo"].stat().st_size > 0  # etrain report plots them
@@ -97,3 +111,36 @@ def test_a_ppo_run_commits_each_checkpoint_as_it_trains_and_resumes_from_the_new
     ours, theirs = records(run_dir, "train"), records(reference, "train")
     assert [(r["step"], r["loss"], r["reward"]) for r in ours] == [(r["step"], r["loss"], r["reward"]) for r in theirs]
     assert json.loads((run_dir / "status.json").read_text())["last_checkpoint"]["step"] == STEPS
+
+
+@pytest.mark.parametrize(
+    "body, said",
+    [
+        ("time.sleep(0.05 * len(response))\nreturn 0.0", "did not score 32 responses within ppo.reward_timeout_s=3"),
+        ("return None if len(response) > 1 else 0.0", "returned None (NoneType)"),
+        ("return 1 / (len(response) < 2)", "raised ZeroDivisionError: division by zero"),
+    ],
+    ids=["slow", "none", "raises"],
+)
+def test_a_reward_that_is_slow_or_fails_in_a_run_ends_it_in_one_line_naming_the_reward(
+    base_run, tmp_path, capsys, body, said
+):
+    """Issue 27, defects 3 and 8. Each reward passes the driver's probe (a one-character response) and then fails
+    at step 0's evaluation: a slow one was taken for hung workers (killed, rolled back, then "no worker left"), one
+    returning None failed with a bare float() error, one that raised left no traceback. Now the run ends at once
+    with one line naming the reward and what it did, no worker is replaced, and the driver's log has the details."""
+    user = tmp_path / "user_reward.py"
+    user.write_text("import time\n\n\ndef score(prompt, response):\n" + "".join(f"    {x}\n" for x in body.split("\n")))
+    name = f"ppo-bad-reward-{len(body)}"
+    sets = [x for item in [*PPO, f"run.name={name}", "ppo.reward_timeout_s=3"] for x in ("--set", item)]
+    code = main(["ppo", "--from", str(base_run), "--reward", f"{user}:score", *sets, "--no-progress"])
+    err = etrain_lines(capsys.readouterr().err)
+    assert code == 1, err
+    line = next(x for x in err.splitlines() if x.startswith("etrain: training failed:"))
+    assert f"reward {user}:score {said}" in line, err
+    run_dir = base_run.parent / name
+    assert not records(run_dir, "membership")[1:], records(run_dir, "membership")  # no worker taken for hung
+    details = Path(err.split("(details: ")[1].split(")")[0]).read_text()
+    assert f"{user}:score" in details
+    if "raised" in said:
+        assert 'user_reward.py", line 5, in score' in details

@@ -6,9 +6,10 @@ import re
 import time
 
 import pytest
-from runs import FAST, start_driver
 
 from app.job import new_run_dir, train
+
+from runs import FAST, start_driver
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

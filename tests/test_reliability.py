@@ -15,7 +15,6 @@ from pathlib import Path
 import psutil
 import pytest
 import ray
-from runs import FAST, ROOT, etrain_lines, records, run, start_driver, wait_for_step, wait_until
 
 from actors.control import JobError
 from actors.coordinator import Coordinator
@@ -25,6 +24,8 @@ from app.core import checkpoint, lease
 from app.core.ports import free_port
 from app.job import new_run_dir, train
 from pipelines.embedded import ensure_corpus
+
+from runs import FAST, ROOT, etrain_lines, records, run, start_driver, wait_for_step, wait_until
 
 ray_test = pytest.mark.usefixtures("ray_session")
 
@@ -124,6 +125,17 @@ def test_connecting_to_a_dead_address_or_with_a_refused_token_fails_at_once(tmp_
         and "RAY_AUTH_TOKEN" in refused.stderr
     ), refused.stderr
     assert took < 30
+
+
+@ray_test
+def test_a_client_reaches_a_local_run_with_the_token_ray_made_for_it_and_no_raw_ray_lines():
+    """Issue 27, defect 6: `etrain scale` (and status) against a run started here with `etrain train` was refused
+    with a token error unless RAY_AUTH_MODE=token was exported, and Ray's raw gcs_client.cc line reached the
+    terminal. A local run's Ray has token auth on and its token in ~/.ray/auth_token: the client uses it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    done, _ = etrain("status", env=env | {"RAY_ADDRESS": ray.get_runtime_context().gcs_address})
+    assert done.returncode == 0, done.stderr
+    assert "gcs_client" not in done.stderr and "Unauthenticated" not in done.stderr, done.stderr
 
 
 @ray_test

@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from runs import FAST, records
 
 from actors.control import JobError
 from app.cli import _status_text
 from app.job import new_run_dir, train
 from app.report import write_report
+
+from runs import FAST, records
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -111,6 +112,31 @@ def test_a_rank_lost_takes_its_replica_out_and_a_replica_formed_from_the_pool_ta
     assert "tp 2 × pp 1; replicas 1–2" in report["html"].read_text()
 
 
+def test_a_one_replica_layout_that_loses_a_rank_goes_back_to_its_checkpoint_and_goes_on(single, make_cfg, rng):
+    """Issue 27, defect 12: one replica of tp=2 losing a rank said "no worker left" while the other rank lived, and
+    the `--resume` it suggested fired the injected fault again. No live replica holds the lost rank's part, so the
+    run goes back to its last checkpoint (saved two steps or more before the loss), re-forms one replica from the
+    live rank and a pool worker started meanwhile (cluster.warm_pool=0), and trains the single worker's steps."""
+    saved, lost = rng.choice([4, 8]), rng.randrange(2)
+    cfg = make_cfg(
+        *BASE,
+        "run.name=one-replica",
+        "cluster.num_workers=2",
+        "parallel.tp=2",
+        "checkpoint.every=4",
+        f"faults=[{{rank: {lost}, step: {saved + 3}, kind: kill}}]",
+    )
+    run_dir = new_run_dir(cfg)
+    assert train(cfg, run_dir, progress=False)["steps"] == STEPS
+    assert [(r["step"], r["reached_step"]) for r in records(run_dir, "rollback")] == [(saved, saved + 2)]
+    assert [(m["reason"], m["world_before"], m["world_after"]) for m in records(run_dir, "membership")] == [
+        ("recover", 2, 2)
+    ]
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, STEPS + 1))
+    assert_same_losses(losses(run_dir), single(STEPS)[0])
+    assert [f["step"] for f in records(run_dir, "fault")] == [saved + 3]  # fired once, recorded
+
+
 @pytest.mark.parametrize(
     "saved_by, resumed_by",
     [("tp2xpp2", "single"), ("single", "tp2")],
@@ -140,3 +166,5 @@ def test_a_checkpoint_resumes_in_another_layout_on_the_same_trajectory(
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert_same_losses(losses(run_dir), single(STEPS)[0])
+    # issue 27, defect 11: the report counted replicas by the run's config alone ([1, 4] for one replica each)
+    assert write_report(run_dir)["summary"]["layout"]["replicas"] == [1]

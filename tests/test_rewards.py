@@ -4,13 +4,14 @@ path with its errors named, and sampling that is seeded and follows the model.""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
 
 from app.core.config import ConfigError, load_config
 from app.core.model import GPT, sample
-from app.core.rewards import TASKS, brackets, digits, length, load
+from app.core.rewards import TASKS, RewardError, Task, brackets, digits, length, load, probe, score_all
 
 pytestmark = pytest.mark.unit
 
@@ -74,3 +75,60 @@ def test_etrain_ppo_refuses_a_reward_it_cannot_load_before_anything_starts(tmp_p
 
     assert main(["ppo", "--from", str(tmp_path), "--reward", "sentiment"]) == 2
     assert "name a built-in task (digits, brackets, length) or FILE.py:function" in capsys.readouterr().err
+
+
+def _task(tmp_path, body: str) -> Task:
+    user = tmp_path / "user_reward.py"
+    user.write_text(
+        "import time\n\n\ndef score(prompt, response):\n" + "".join(f"    {line}\n" for line in body.split("\n"))
+    )
+    return load(f"{user}:score")
+
+
+@pytest.mark.parametrize(
+    "body, said",
+    [
+        ("return None", "returned None (NoneType)"),
+        ("return 'good'", "returned 'good' (str)"),
+        ("return float('nan')", "returned nan (float)"),
+        ("return 1 / len(prompt[:0])", "raised ZeroDivisionError: division by zero"),
+    ],
+    ids=["none", "string", "nan", "raises"],
+)
+def test_a_reward_that_fails_or_returns_no_number_is_named_with_the_response_it_scored(tmp_path, body, said):
+    """Issue 27, defect 8: a reward returning None or a string failed with a bare float() error that named no
+    function, and one that raised left no traceback anywhere."""
+    task = _task(tmp_path, body)
+    with pytest.raises(RewardError) as failed:
+        score_all(task, ["x = "], ["12"])
+    assert f"reward {task.name} {said}" in str(failed.value) and "'12'" in str(failed.value)
+    if "raised" in said:  # the user's own traceback, for the driver's log
+        assert 'user_reward.py", line 5, in score' in failed.value.details
+    with pytest.raises(ConfigError, match=re.escape(said)):  # and before a run starts, the driver's probe says it
+        probe(task, 16, 60)
+
+
+def test_numbers_of_any_kind_are_scores():
+    import numpy as np
+
+    task = Task("mixed", TASKS["digits"].prompt, lambda p, r: {"a": np.float32(0.5), "b": 2, "c": True}[r])
+    assert score_all(task, ["x"] * 3, ["a", "b", "c"]) == [0.5, 2.0, 1.0]
+
+
+def test_the_driver_refuses_a_reward_too_slow_for_its_timeout_before_anything_starts(tmp_path):
+    """Issue 27, defect 3: a reward of 5 s per call ran step 0's evaluation past timeouts.step_s, and the workers
+    were killed as hung. One probe call: a reward whose worker calls cannot finish within ppo.reward_timeout_s is
+    refused, naming it, its time and the key."""
+    task = _task(tmp_path, "time.sleep(0.2)\nreturn 0.0")
+    said = r"reward .*:score took 0\.2\d s for one response; .* 32 responses, about \d s, beyond ppo.reward_timeout_s=5"
+    with pytest.raises(ConfigError, match=said):
+        probe(task, 32, 5)
+    probe(task, 4, 5)  # 0.8 s of 5: fine
+
+
+def test_a_ppo_config_says_why_it_needs_checkpoints_and_a_reward_timeout_inside_the_step():
+    ppo = ["ppo.reward=digits", "finetune.base=/runs/base", "finetune.base_digest=abc"]
+    with pytest.raises(ConfigError, match="needs checkpoint.every > 0: a worker lost in a PPO step sends the run back"):
+        load_config("tiny", [*ppo, "checkpoint.every=0"])
+    with pytest.raises(ConfigError, match="ppo.reward_timeout_s=200 must be below timeouts.step_s=180"):
+        load_config("tiny", [*ppo, "ppo.reward_timeout_s=200"])

@@ -180,6 +180,16 @@ def load_latest(uri: str) -> Checkpoint | None:
     return None
 
 
+def newest_meta(uri: str) -> dict | None:
+    """The newest commit marker's contents, unverified (one small read, no parts): how far a run got, what it is."""
+    fs, root = fsspec.core.url_to_fs(uri)
+    fs.invalidate_cache(root)
+    for path in reversed(_step_dirs(fs, root)):
+        if (meta := _read_commit(fs, path, quiet=True)) is not None:
+            return meta
+    return None
+
+
 def load_at(uri: str) -> Checkpoint:
     """The committed checkpoint in the step directory `uri`, verified; CheckpointError if it is not one."""
     fs, path = fsspec.core.url_to_fs(uri)

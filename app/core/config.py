@@ -81,6 +81,14 @@ class ModelConfig(Section):
             + 2 * d
         )
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """app.core.model.GPT's linear layers by name, each (in, out) features: what LoRA's targets name."""
+        d = self.d_model
+        block = {"attn.q": (d, d), "attn.k": (d, d), "attn.v": (d, d), "attn.proj": (d, d)}
+        block |= {"mlp.0": (d, 4 * d), "mlp.2": (4 * d, d)}
+        shapes = {f"blocks.{i}.{name}": shape for i in range(self.n_layer) for name, shape in block.items()}
+        return shapes | {"head": (d, self.vocab_size)}
+
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
         if self.d_model % self.n_head:
@@ -380,9 +388,15 @@ class Fault(Section):
         description="hold the fault from `step` until a warm-pool worker is ready: a drill of a recovery whose "
         "replacement is there (on a busy machine a pool worker may still be starting at `step`)",
     )
+    during: Literal["step", "eval"] = Field(
+        "step",
+        description="step: with the work of step `step`; eval: in the evaluation after step `step` (kill or hang)",
+    )
 
     @model_validator(mode="after")
     def _ends(self) -> Fault:
+        if self.during == "eval" and (self.kind not in ("kill", "hang") or self.ready_pool):
+            raise ValueError(f"a fault during an evaluation is a kill or a hang, without ready_pool; got {self.kind}")
         if self.kind in ("degrade", "ecc") and (self.until is None or self.until <= self.step):
             raise ValueError(f"a {self.kind} fault needs `until`, the step it dies at, after `step`={self.step}")
         if self.kind not in ("degrade", "ecc") and self.until is not None:
@@ -425,6 +439,11 @@ class HealthConfig(Section):
     )
     cooldown_s: float = Field(600.0, ge=0, description="a drained node gets no new workers for this long")
     lemon_drains: int = Field(2, ge=1, description="a node drained this many times is listed as a lemon")
+
+
+def targeted(name: str, targets: list[str]) -> bool:
+    """Whether a module's name is, or ends in, one of `targets` (finetune.lora.targets, also_train)."""
+    return any(name == t or name.endswith("." + t) for t in targets)
 
 
 class LoraConfig(Section):
@@ -491,14 +510,42 @@ class PPOConfig(Section):
     gamma: float = Field(1.0, gt=0, le=1, description="the discount over a response's tokens")
     lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda")
     kl_coef: float = Field(0.05, ge=0, description="the KL penalty's initial coefficient (beta)")
-    kl_target: float = Field(6.0, gt=0, description="the per-response KL (nats) beta is adapted towards")
+    kl_target: float = Field(6.0, gt=0, description="the per-response KL (nats) the controller holds")
     kl_horizon: int = Field(10_000, ge=1, description="responses over which beta adapts (Ziegler et al.)")
+    kl_gain: float = Field(
+        4.0,
+        ge=0,
+        description="a step whose rollouts' KL is above kl_target applies beta × (KL / kl_target)^kl_gain: an "
+        "overshoot is met in the step that shows it; 0 = Ziegler's slow law alone",
+    )
     eval_prompts: int = Field(64, ge=1, description="held-out prompts whose mean reward each evaluation measures")
+    reward_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="the most a worker waits for the reward to score its responses (one call at a time serves every "
+        "worker); a reward slower than this fails the run naming it; below timeouts.step_s (None: half of it)",
+    )
 
 
 class RunConfig(Section):
     root: str = Field("runs", description="parent directory of run directories")
-    name: str | None = Field(None, description="run directory name; default a timestamp")
+    name: str | None = Field(
+        None, description="run directory name, one name inside run.root (any language); default a timestamp"
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _one_name(cls, name: str | None) -> str | None:
+        """The run's directory inside run.root, never outside it (../x) or the root itself (.)."""
+        if name is None:
+            return name
+        if name in ("", ".", "..") or any(c in name for c in "/\\") or not name.isprintable():
+            raise ValueError(
+                "must be one directory name inside run.root (no / or \\, not . or .., no control characters)"
+            )
+        if len(name.encode()) > 255:
+            raise ValueError(f"is {len(name.encode())} bytes long; a directory name takes at most 255")
+        return name
 
 
 class Config(Section):
@@ -573,6 +620,8 @@ class Config(Section):
                 "finetune.method=lora trains adapters on frozen weights; comm.mode=ps shards every weight: use "
                 "comm.mode=allreduce"
             )
+        if self.finetune.lora_on:
+            self._check_lora_rank()
         if self.finetune.lora_on and self.model.tie_weights and "head" in self.finetune.lora.targets:
             raise ValueError(
                 "finetune.lora.targets has head, whose weight is the embedding's (model.tie_weights): an adapter "
@@ -600,7 +649,14 @@ class Config(Section):
                 f"cluster.num_workers={self.cluster.num_workers}"
             )
         largest = max(self.cluster.num_workers, self.cluster.max_workers or 0)
+        every = self.train.eval_every
         for i, fault in enumerate(self.faults):
+            evaluated = fault.step == self.train.steps or (every > 0 and fault.step % every == 0)
+            if fault.during == "eval" and not evaluated:
+                raise ValueError(
+                    f"faults[{i}] (during: eval) never fires: step {fault.step} is followed by no evaluation "
+                    f"(train.eval_every={every}, train.steps={self.train.steps})"
+                )
             if fault.rank >= largest:
                 raise ValueError(
                     f"faults[{i}].rank={fault.rank} never fires: the run has at most {largest} worker(s) "
@@ -613,6 +669,23 @@ class Config(Section):
             )
         return self
 
+    def _check_lora_rank(self) -> None:
+        lora, shapes = self.finetune.lora, self.model.linear_shapes()
+        narrowest = min((min(s) for n, s in shapes.items() if targeted(n, lora.targets)), default=None)
+        if narrowest is not None and lora.rank > narrowest:
+            raise ValueError(
+                f"finetune.lora.rank={lora.rank} exceeds {narrowest}, the narrowest side of a layer it adapts: an "
+                f"update B·A of that layer has rank {narrowest} at most, so a larger rank only adds weights (for a "
+                "full-rank update, finetune.method=full costs less)"
+            )
+
+    def lora_params(self) -> int:
+        """Parameters of the LoRA adapters this config puts on the model (0 without LoRA)."""
+        if not self.finetune.lora_on:
+            return 0
+        lora = self.finetune.lora
+        return sum(lora.rank * (i + o) for n, (i, o) in self.model.linear_shapes().items() if targeted(n, lora.targets))
+
     def _check_ppo(self) -> None:
         ppo = self.ppo
         if self.finetune.base is None:
@@ -623,7 +696,6 @@ class Config(Section):
             "train.precision=fp16": self.train.precision == "fp16",
             "train.batch_scaling=linear": self.train.batch_scaling == "linear",
             "parallel.tp × parallel.pp > 1": self.parallel.ranks > 1,
-            "checkpoint.every=0": self.checkpoint.every == 0,  # a worker lost mid-step: back to the last checkpoint
             "faults of kind slow, nan, spike, degrade or noisy": any(
                 f.kind in ("slow", "nan", "spike", "degrade", "noisy") for f in self.faults
             ),
@@ -632,6 +704,16 @@ class Config(Section):
             raise ValueError(
                 f"ppo.reward (a PPO run) does not support {', '.join(used)}: several updates per step share one "
                 "rollout, which these do not allow for; leave them out"
+            )
+        if self.checkpoint.every == 0:
+            raise ValueError(
+                "ppo.reward (a PPO run) needs checkpoint.every > 0: a worker lost in a PPO step sends the run back to "
+                "its last checkpoint (the survivors may have made some of the step's updates)"
+            )
+        if ppo.reward_timeout_s is not None and ppo.reward_timeout_s >= self.timeouts.step_s:
+            raise ValueError(
+                f"ppo.reward_timeout_s={ppo.reward_timeout_s:g} must be below "
+                f"timeouts.step_s={self.timeouts.step_s:g}: a step waits for its scores"
             )
         most = max(self.cluster.num_workers, self.cluster.max_workers or 0)
         if ppo.rollouts < most * ppo.minibatches:
@@ -692,14 +774,20 @@ class Config(Section):
             )
         return self
 
+    def reward_timeout_s(self) -> float:
+        """How long a PPO worker waits for its scores: ppo.reward_timeout_s, or half a step."""
+        return self.ppo.reward_timeout_s or self.timeouts.step_s / 2
+
     def worker_memory(self) -> int:
-        """About the bytes one worker needs: fp32 weights, gradients and AdamW's two moments (16 per parameter),
-        and the activations of one micro-batch kept for backward (Korthikanti et al. 2022, per layer
-        34·s·b·h + 5·a·s²·b bytes at 16 bits, twice that in fp32), plus the logits and their gradient."""
+        """About the bytes one worker needs: fp32 weights, gradients and AdamW's two moments (16 per parameter;
+        with LoRA, 4 per frozen weight and 16 per adapter parameter), and the activations of one micro-batch kept
+        for backward (Korthikanti et al. 2022, per layer 34·s·b·h + 5·a·s²·b bytes at 16 bits, twice that in fp32),
+        plus the logits and their gradient."""
         m, b = self.model, self.train.micro_batch
         width = 2 if self.train.precision == "fp32" else 1
         per_layer = (34 * m.seq_len * b * m.d_model + 5 * m.n_head * m.seq_len**2 * b) * width
-        return 16 * m.param_count() + m.n_layer * per_layer + 8 * b * m.seq_len * m.vocab_size
+        weights = 4 * m.param_count() + 16 * self.lora_params() if self.finetune.lora_on else 16 * m.param_count()
+        return weights + m.n_layer * per_layer + 8 * b * m.seq_len * m.vocab_size
 
     def batch_at(self, world: int) -> int:
         """Samples per optimizer step with `world` workers."""

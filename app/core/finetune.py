@@ -41,6 +41,12 @@ def check_base(cfg: Config) -> None:
     with torch.device("meta"):
         expected = {n: t.shape for n, t in GPT(cfg.model).state_dict().items()}
     got = {n: t.shape for n, t in weights.items()}
+    if cfg.finetune.method == "lora":  # targets that name no layer of this model
+        with torch.device("meta"):
+            try:
+                add_adapters(GPT(cfg.model), cfg.finetune.lora)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     if got != expected:
         differ = sorted(n for n in expected.keys() | got.keys() if expected.get(n) != got.get(n))
         raise ConfigError(

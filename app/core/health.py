@@ -55,8 +55,10 @@ class Reading:
 READING_FIELDS = set(Reading.__dataclass_fields__) - {"node", "t", "source", "synthetic"}
 
 
-def read_script(path: str) -> dict[int, list[dict]]:
-    """A drill's telemetry file (health.script): step -> its rows, each with `rank` and Reading fields."""
+def read_script(path: str, ranks: int | None = None) -> dict[int, list[dict]]:
+    """A drill's telemetry file (health.script): step -> its rows, each with `rank` and Reading fields. Every value is
+    checked (a step from 1, a rank of the run's `ranks`, each field of Reading's type): a bad line is refused naming
+    it, before the run starts, not met as a crash at its step."""
     rows: dict[int, list[dict]] = {}
     try:
         lines = Path(path).read_text().splitlines()
@@ -76,8 +78,29 @@ def read_script(path: str) -> dict[int, list[dict]]:
                 f"health.script {path}, line {n}: a reading needs `step` and `rank`, and may have "
                 f"{', '.join(sorted(READING_FIELDS))}; got {sorted(row) if isinstance(row, dict) else row!r}"
             )
+        _check_row(row, ranks, f"health.script {path}, line {n}")
         rows.setdefault(row["step"], []).append(row)
     return rows
+
+
+def _check_row(row: dict, ranks: int | None, where: str) -> None:
+    import typing
+
+    from pydantic import TypeAdapter, ValidationError
+
+    step, rank = row["step"], row["rank"]
+    if type(step) is not int or step < 1:
+        raise ConfigError(f"{where}: `step` must be a step number from 1, got {step!r}")
+    if type(rank) is not int or rank < 0 or (ranks is not None and rank >= ranks):
+        most = f" of this run's ranks 0-{ranks - 1}" if ranks is not None else ""
+        raise ConfigError(f"{where}: `rank` must be one{most}, got {rank!r}")
+    types = typing.get_type_hints(Reading)
+    for key in row.keys() & READING_FIELDS:  # Reading's own annotations, strictly: 79 is no list of Xids
+        try:
+            TypeAdapter(types[key]).validate_python(row[key], strict=True)
+        except ValidationError as e:
+            said = e.errors()[0]["msg"]
+            raise ConfigError(f"{where}: `{key}` {said[0].lower()}{said[1:]} (got {row[key]!r})") from None
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.core.config import LoraConfig
+from app.core.config import LoraConfig, targeted
 
 ADAPTERS = ("lora_a", "lora_b")
 
@@ -43,14 +43,14 @@ def add_adapters(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """Freeze `model` and put an adapter on each linear layer whose name is, or ends in, one of cfg.targets.
     The names adapted, in order. A target that names no linear layer is an error that lists the ones there are."""
     linear = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    chosen = {t: [n for n in linear if n == t or n.endswith("." + t)] for t in cfg.targets}
+    chosen = {t: [n for n in linear if targeted(n, [t])] for t in cfg.targets}
     if missing := [t for t, names in chosen.items() if not names]:
         kinds = sorted({n.split(".", 2)[-1] if n.startswith("blocks.") else n for n in linear})
         raise ValueError(
             f"finetune.lora.targets {missing} name no linear layer of this model; its linear layers: {kinds}"
         )
     modules = [name for name, _ in model.named_modules() if name]
-    also = {t: [n for n in modules if n == t or n.endswith("." + t)] for t in cfg.also_train}
+    also = {t: [n for n in modules if targeted(n, [t])] for t in cfg.also_train}
     if missing := [t for t, names in also.items() if not names]:
         raise ValueError(f"finetune.lora.also_train {missing} name no module of this model")
     for name, p in model.named_parameters():

@@ -89,7 +89,8 @@ def entropy(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class AdaptiveKL:
-    """beta follows the measured KL towards `target`: proportional, error clipped to ±0.2, over `horizon` samples."""
+    """beta follows the measured KL towards `target`: proportional, error clipped to ±0.2, over `horizon` samples
+    (Ziegler et al.). Slow by design, it trims beta over thousands of responses; `boosted` meets an overshoot now."""
 
     beta: float
     target: float
@@ -99,3 +100,10 @@ class AdaptiveKL:
         error = min(max(kl / self.target - 1, -0.2), 0.2)
         self.beta *= 1 + error * samples / self.horizon
         return self.beta
+
+
+def boosted(beta: float, kl: float, target: float, gain: float) -> float:
+    """The coefficient a step applies: beta, times (kl / target)^gain when the step's own rollouts are above the
+    target. An overshoot is penalised in the step that shows it (the penalty grows as its power), and the boost is
+    gone once the KL is back: no wind-up, which would hold the policy at the reference long after."""
+    return beta * max(1.0, kl / target) ** gain

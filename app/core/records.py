@@ -41,6 +41,7 @@ class Train(Record):
     world_size: int
     batch: int
     samples: int  # the data cursor after the step
+    replicas: int | None = None  # model replicas that ran it: world_size / (tp × pp) of the layout then
     loss: float | None = None
     lr: float | None = None
     grad_norm: float | None = None
@@ -184,6 +185,15 @@ class Warn(Record):
 
 
 @dataclass
+class FaultFired(Record):
+    """An injected fault (config `faults`) handed to its rank with the work of `step`: a drill shows in the run's
+    history, and a resumed run does not inject it again."""
+
+    kind: ClassVar[str] = "fault"
+    fault: dict  # as configured: rank, step, kind and its parameters
+
+
+@dataclass
 class PSSummary(Record):
     """Parameter-server mode's shards at the end: updates, window closes, staleness seen."""
 
@@ -203,6 +213,7 @@ KINDS = (
     CheckpointFailed,
     Rewind,
     Warn,
+    FaultFired,
     PSSummary,
 )
 

@@ -8,12 +8,16 @@ response to a prompt. The built-in scores lie in [-1, 1]. A user's function is n
 from __future__ import annotations
 
 import importlib.util
+import math
 import random
+import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from app.core.config import ConfigError
+from app.core.errors import Failure
 
 PAIRS = {"(": ")", "[": "]", "{": "}"}
 
@@ -23,6 +27,51 @@ class Task:
     name: str
     prompt: Callable[[random.Random], str]
     score: Callable[[str, str], float]
+
+
+class RewardError(Failure):
+    """The reward function failed or returned something that is not a score: it is named, with the response it was
+    scoring; the user's traceback is in `details` (the driver's log)."""
+
+
+def score_all(task: Task, prompts: list[str], responses: list[str]) -> list[float]:
+    """Each response's score: a finite number, or a RewardError that names the function and what it did."""
+    scores = []
+    for prompt, response in zip(prompts, responses):
+        scoring = f"scoring the response {response[:40]!r} to the prompt {prompt[:40]!r}"
+        try:
+            value = task.score(prompt, response)
+        except Exception as e:  # the user's code: its error, named, its traceback kept
+            raise RewardError(
+                f"reward {task.name} raised {type(e).__name__}: {e} ({scoring}); fix the function, then resume the run",
+                details=traceback.format_exc(),
+            ) from None
+        number = float(value) if hasattr(value, "__float__") else None
+        if number is None or not math.isfinite(number):
+            raise RewardError(
+                f"reward {task.name} returned {value!r} ({type(value).__name__}) {scoring}: a reward returns a finite "
+                "number"
+            )
+        scores.append(number)
+    return scores
+
+
+def probe(task: Task, responses_per_call: int, timeout_s: float) -> None:
+    """Before any worker starts: one score of a sample prompt, so that a function that fails, returns no number or
+    is too slow for ppo.reward_timeout_s is refused now (a ConfigError), not minutes into the run."""
+    prompt = task.prompt(random.Random(0))
+    started = time.perf_counter()
+    try:
+        score_all(task, [prompt], ["0"])
+    except RewardError as e:
+        raise ConfigError(str(e).replace("; fix the function, then resume the run", "")) from None
+    took = time.perf_counter() - started
+    if took * responses_per_call > timeout_s:
+        raise ConfigError(
+            f"reward {task.name} took {took:.2f} s for one response; a worker's call scores {responses_per_call} "
+            f"responses, about {took * responses_per_call:.0f} s, beyond ppo.reward_timeout_s={timeout_s:g}: make it "
+            "faster, or raise ppo.reward_timeout_s (and timeouts.step_s above it)"
+        )
 
 
 def _code_prompt(rng: random.Random) -> str:
