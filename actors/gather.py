@@ -70,7 +70,11 @@ def find_lost(
                 lost.append(worker)
     retire(lost)
     if not lost:
-        raise JobError(f"{what} failed on live workers: {cause}", details)
+        raise JobError(
+            f"{what} failed on live workers, which no replacement mends: {cause}; the worker's traceback is in the "
+            "driver's log",
+            details,
+        )
     return lost
 
 

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,10 +54,10 @@ FAST = [  # bounded waits, so a fault ends in seconds; an equal split, so runs c
 MODES = {
     "dp": ["cluster.num_workers=2", "cluster.warm_pool=1"],
     "zero": ["cluster.num_workers=2", "cluster.warm_pool=1", "comm.zero=true"],
-    "tp2": ["cluster.num_workers=4", "cluster.warm_pool=0", "parallel.tp=2"],
-    "pp2": ["cluster.num_workers=4", "cluster.warm_pool=0", "parallel.pp=2", "parallel.microbatches=2"],
-    "tp2xpp2": ["cluster.num_workers=4", "cluster.warm_pool=0", "parallel.tp=2", "parallel.pp=2"]
-    + ["parallel.microbatches=2"],
+    # 4 workers: a warm pool of a replica (2) where the Ray instance has the CPUs for it (Campaign.pool)
+    "tp2": ["cluster.num_workers=4", "parallel.tp=2"],
+    "pp2": ["cluster.num_workers=4", "parallel.pp=2", "parallel.microbatches=2"],
+    "tp2xpp2": ["cluster.num_workers=4", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"],
     "lora": ["cluster.num_workers=2", "cluster.warm_pool=1"],
     "ppo": ["cluster.num_workers=2", "cluster.warm_pool=1", "ppo.rollouts=16", "ppo.response_len=8"],
 }
@@ -134,9 +135,14 @@ class Campaign:
     """Runs scenarios on the Ray this process is connected to; `workdir` holds their configs and run directories."""
 
     def __init__(self, workdir: Path, data_dir: str, s3=None, bucket: str | None = None):
+        import ray
+
         self.workdir, self.data_dir, self.s3, self.bucket = workdir, data_dir, s3, bucket
         self.references: dict[str, list[dict]] = {}
         self.base: Path | None = None
+        # a replica's worth of ready workers for the 4-worker modes, where there are CPUs for them: a lost rank's
+        # replica is then replaced at once, from its twins, within the run's few steps
+        self.pool = 2 if ray.cluster_resources().get("CPU", 0) >= 6 else 0
 
     # -- configs --------------------------------------------------------------------------------------------
 
@@ -148,6 +154,7 @@ class Campaign:
             f"run.root={self.workdir / 'runs'}",
             *FAST,
             *MODES[scenario.mode],
+            *([f"cluster.warm_pool={self.pool}"] if "cluster.num_workers=4" in MODES[scenario.mode] else []),
         ]
         if scenario.mode in ("lora", "ppo"):
             from app.core.finetune import finetune_config
@@ -227,13 +234,14 @@ class Campaign:
         before = actor_pids()
         cfg = self.config(scenario)
         run_dir = Path(cfg.run.root) / cfg.run.name
+        shutil.rmtree(run_dir, ignore_errors=True)  # a campaign drawn again in the same directory
         argv = ["train", "--config", str(self.write(cfg))]
         self.arm_storage(scenario, cfg)
         for attempt in range(3):
             done = self.driver(argv, scenario if attempt == 0 else None, run_dir)
             outcome.drivers.append(done)
-            if done["code"] == 0 or "--resume" not in done["said"]:
-                break
+            if done["code"] not in (1, 130) or "--resume" not in done["said"]:
+                break  # finished, refused, or a failure that no resume mends
             argv = ["train", "--resume", str(run_dir)]
         if self.s3 is not None:
             self.s3.reset()
@@ -416,7 +424,7 @@ def main() -> None:
     boto3.client("s3", endpoint_url=s3.endpoint).create_bucket(Bucket="chaos")
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="warning")
     print(f"seed {args.seed}: python tests/chaos.py --seed {args.seed} --runs {args.runs} draws these again")
     campaign = Campaign(workdir, str(workdir / "data"), s3, "s3://chaos")
     outcomes = []
