@@ -20,6 +20,7 @@ Every handler returns the members it lost (a Loss), if any: the next decision is
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -113,8 +114,8 @@ class Coordinator:
         self.saved_step = self.evaluated_step = self.at.step
         if self.scorers and self.at.step == 0 and not self.log.recorded("eval", 0):
             self.evaluated_step = -1  # PPO: the base policy's reward first (once), to measure the rise against
-        if (self.cfg.comm.zero or self.scorers) and self.saver.latest(self.cfg.hash()) is None:
-            self.loss = self._checkpoint()  # something to go back to when a worker is lost (see _recover)
+        if (self.cfg.comm.zero or self.scorers or self.team.ranks > 1) and self.saver.latest(self.cfg.hash()) is None:
+            self.loss = self._checkpoint()  # something to go back to when a worker is lost (see _needs_rollback)
         self.team.refill()
 
     def _decide(self) -> State:
@@ -204,8 +205,8 @@ class Coordinator:
             return "a worker lost in a PPO step"
         if self._sharded():
             return "a worker lost with its ZeRO-1 optimizer shard"
-        if self.team.ranks > 1 and not whole_replicas(self.team.workers, self.loss.lost, self.team.ranks)[0]:
-            return "a rank lost from every replica (no live replica holds its part of the model)"
+        if not whole_replicas(self.team.workers, self.loss.lost, self.team.ranks)[0]:
+            return "every worker lost, or a rank of every replica (no live worker holds the state)"
         return None
 
     def _roll_back_nan(self) -> Loss | None:
@@ -320,6 +321,7 @@ class Coordinator:
         return {
             "run": self.run_dir.name,
             "run_dir": str(self.run_dir),
+            "coordinator_pid": os.getpid(),
             "phase": self.log.phase.value,
             "failure": self.log.failure,
             "step": self.at.step,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import ray
 
 from actors.control import JobError
-from app.core.errors import why
+from app.core.errors import Failure, why
 
 
 class WorkersLost(Exception):
@@ -47,6 +47,9 @@ def gather(refs: list, among: list, what: str, timeout: float, ping_s: float, re
     if failed is None and not pending:
         return [results[r] for r in refs]
     cause = getattr(failed, "cause", failed) if failed is not None else f"no answer within {timeout:.0f} s"
+    if isinstance(cause, Failure):  # named by the work itself (a reward that fails): its peers may be waiting in a
+        # collective for it and miss the ping; none of them is lost, and no replacement would do better
+        raise JobError(str(cause), getattr(cause, "details", None) or str(failed)) from None
     details = "\n".join(filter(None, [str(failed) if failed is not None else None, getattr(cause, "details", None)]))
     lost = find_lost(among, what, cause, ping_s, retire, details or None)
     raise WorkersLost(what, lost, [r in results for r in refs])

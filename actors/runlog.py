@@ -96,9 +96,8 @@ class RunLog:
         """status.json: what `etrain status RUN` reads without Ray, also after the job has ended."""
         if self.keeper.lost:  # the run's new owner writes it
             return
-        status = {**self.status(), "updated": time.time()}
-        with self._writing:  # the heartbeat's and the loop's: one file, one writer at a time
-            write_json(self.run_dir / "status.json", status)
+        with self._writing:  # the heartbeat's and the loop's: one at a time, each with the state as it is then
+            write_json(self.run_dir / "status.json", {**self.status(), "updated": time.time()})
         self._status_due = time.monotonic() + STATUS_S
 
     def summary(self) -> dict:

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 
 import ray
 
@@ -123,6 +124,7 @@ def _token_mode_if_token() -> None:
 @contextlib.contextmanager
 def _quiet_stderr():
     """The process's own stderr (file descriptor 2, where C++ writes) discarded for the duration."""
+    sys.stderr.flush()
     saved = os.dup(2)
     with open(os.devnull, "w") as null:
         os.dup2(null.fileno(), 2)

@@ -104,8 +104,8 @@ def check_inputs(cfg: Config) -> Config:
     if cfg.ppo.reward is not None:  # a reward that cannot be loaded, fails or is too slow
         from app.core import rewards
 
-        per_call = -(-max(cfg.ppo.rollouts, cfg.ppo.eval_prompts) // cfg.cluster.num_workers)
-        rewards.probe(rewards.load(cfg.ppo.reward), per_call, cfg.reward_timeout_s())
+        responses = max(cfg.ppo.rollouts, cfg.ppo.eval_prompts)
+        rewards.probe(rewards.load(cfg.ppo.reward), responses, cfg.reward_timeout_s())
     if cfg.data.source != "embedded":
         check_data(cfg)
     address = cfg.cluster.address or (None if ray.is_initialized() else os.environ.get("RAY_ADDRESS"))

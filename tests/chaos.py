@@ -12,11 +12,14 @@ all-reduce or hung, as a step begins (those after a checkpoint step strike while
 killed or hung during an evaluation; the driver interrupted (Ctrl-C) or the coordinator killed, then a resume;
 storage refusing a checkpoint's commit; a resize (`etrain scale`); a reward that turns slow (PPO).
 
-Invariants, after the run and its resumes: every step recorded once; the data cursor exact; each step's loss equal
-to an unfaulted run's of the same mode (bitwise while the world size is the reference's, within 1e-4 relative once
-it changed; PPO's rollouts depend on the split, so only the former); the newest committed checkpoint loads and
-verifies; each driver ended with exit 0, or with one line that names the cause (and, for a failure, what to do);
-no worker, coordinator or scorer process of the scenario is left behind.
+Invariants, after the run and its resumes: the run ends as its faults allow (every fault but a reward that turns slow
+is survived: the run finishes, resumed at most twice, each time as its driver's last line says; a slow reward fails
+it, in a line that names the reward); every step recorded once; the data cursor exact; each step's loss equal to
+an unfaulted run's of the same mode (bitwise while the world size is the reference's, within 1e-4 relative once it
+changed; PPO's rollouts depend on the split, so only the former); the newest committed checkpoint is the one that
+loads and verifies; each driver ended with exit 0, or with one line that names the cause and the way on; no worker,
+coordinator or scorer process of the scenario is left behind. Run it alone on its Ray: a coordinator killed is
+the scenario's own, but a process left behind is any new one.
 """
 
 from __future__ import annotations
@@ -287,9 +290,8 @@ def act(fault: dict, driver: subprocess.Popen, run_dir: Path) -> None:
     """A driver-side fault, now: Ctrl-C to the driver, a SIGKILL to the run's coordinator, or a resize."""
     if fault["kind"] == "driver_sigint":
         driver.send_signal(signal.SIGINT)
-    elif fault["kind"] == "coordinator_kill":
-        for pid in coordinator_pids():
-            os.kill(pid, signal.SIGKILL)
+    elif fault["kind"] == "coordinator_kill":  # the run's own (status.json names its pid)
+        os.kill(json.loads((run_dir / "status.json").read_text())["coordinator_pid"], signal.SIGKILL)
     elif fault["kind"] == "resize":
         subprocess.run(
             [sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main())", "scale", str(run_dir)]
@@ -306,6 +308,12 @@ def check(
 ) -> list[str]:
     """The invariants, each broken one in a line."""
     broken = []
+    fatal = any(f["kind"] == "slow_reward" for f in scenario.faults)
+    last = drivers[-1]
+    if not fatal and last["code"] != 0:
+        broken.append(f"a survivable run did not finish after {len(drivers)} driver(s): {last['said']!r}")
+    if fatal and (last["code"] != 1 or "reward" not in last["said"]):
+        broken.append(f"a slow reward did not fail the run naming it: {last['code']} {last['said']!r}")
     for d in drivers:
         if d["code"] != 0 and not (d["said"] and d["lines"] == 1):
             broken.append(f"driver {d['argv'][:2]} exited {d['code']} without one line naming the cause: {d['said']!r}")
@@ -323,7 +331,10 @@ def check(
         broken.append(f"the cursor is not {batch} samples a step: {[(r['step'], r['samples']) for r in trained]}")
     broken += compare(scenario, trained, want)
     try:
-        newest = checkpoint.load_latest(checkpoint.checkpoint_uri(cfg, run_dir))
+        uri = checkpoint.checkpoint_uri(cfg, run_dir)
+        newest, committed = checkpoint.load_latest(uri), checkpoint.newest_meta(uri)
+        if (newest and newest.meta["step"]) != (committed and committed["step"]):
+            broken.append(f"the newest committed checkpoint ({committed and committed['step']}) does not verify")
         if ended and (newest is None or newest.meta["step"] != STEPS):
             broken.append(f"the finished run's newest checkpoint is {newest and newest.meta['step']}, not {STEPS}")
     except Exception as e:  # noqa: BLE001 - any failure to load is a broken invariant
@@ -375,14 +386,6 @@ def actor_pids() -> set[int]:
         if p.info["status"] != psutil.STATUS_ZOMBIE and cmd.startswith(PROCESSES):
             found.add(p.info["pid"])
     return found
-
-
-def coordinator_pids() -> list[int]:
-    import psutil
-
-    return [
-        p.pid for p in psutil.process_iter(["cmdline"]) if " ".join(p.info["cmdline"] or []).startswith(PROCESSES[1])
-    ]
 
 
 def summarize(outcomes: list[Outcome]) -> dict:

@@ -76,3 +76,21 @@ def test_finetune_bench_runs_a_large_batch_variant_and_compares(ray_session, dat
     assert ratios == {"lamb_eval_loss_vs_adamw": 1.0}
     descriptions = finetune.package_descriptions(tmp_path / "p.jsonl").read_text().splitlines()
     assert descriptions and all(len(json.loads(line)["text"]) > 500 for line in descriptions)
+
+
+def test_chaos_bench_kills_on_its_schedule_and_counts_what_was_committed(ray_session, data_dir):
+    import argparse
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_chaos", ROOT / "bench" / "chaos.py")  # tests/ has a chaos
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(steps=9, batch=16, seed=3, data=data_dir)
+    kills = bench.schedule(args, 3)
+    assert [step for step, _ in kills] == [3, 6, 9] and {rank for _, rank in kills} <= {0, 1}
+    small = ("data.corpus_bytes=1500000", "data.shard_bytes=200000", "timeouts.step_s=15", "timeouts.collective_s=5")
+    result = bench.run_ours(args, 3, small)
+    fired = result["kills"]  # each waits for a ready pool worker: the last ones may wait past the run's end
+    assert 1 <= fired <= 3 and result["failures"] == fired and result["every_sample_once"], result
+    assert result["committed_share"] == 9 / (9 + fired) and result["tokens_per_s"] > 0  # a killed step is redone

@@ -116,7 +116,7 @@ def test_a_ppo_run_commits_each_checkpoint_as_it_trains_and_resumes_from_the_new
 @pytest.mark.parametrize(
     "body, said",
     [
-        ("time.sleep(0.05 * len(response))\nreturn 0.0", "did not score 32 responses within ppo.reward_timeout_s=3"),
+        ("time.sleep(0.02 * len(response))\nreturn 0.0", "did not score 32 responses within ppo.reward_timeout_s=3"),
         ("return None if len(response) > 1 else 0.0", "returned None (NoneType)"),
         ("return 1 / (len(response) < 2)", "raised ZeroDivisionError: division by zero"),
     ],

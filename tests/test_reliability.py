@@ -132,6 +132,7 @@ def test_a_client_reaches_a_local_run_with_the_token_ray_made_for_it_and_no_raw_
     """Issue 27, defect 6: `etrain scale` (and status) against a run started here with `etrain train` was refused
     with a token error unless RAY_AUTH_MODE=token was exported, and Ray's raw gcs_client.cc line reached the
     terminal. A local run's Ray has token auth on and its token in ~/.ray/auth_token: the client uses it."""
+    assert os.environ.get("RAY_AUTH_MODE") == "token"  # the session's Ray wants a token, as a local run's does
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     done, _ = etrain("status", env=env | {"RAY_ADDRESS": ray.get_runtime_context().gcs_address})
     assert done.returncode == 0, done.stderr

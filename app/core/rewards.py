@@ -56,20 +56,23 @@ def score_all(task: Task, prompts: list[str], responses: list[str]) -> list[floa
     return scores
 
 
-def probe(task: Task, responses_per_call: int, timeout_s: float) -> None:
-    """Before any worker starts: one score of a sample prompt, so that a function that fails, returns no number or
-    is too slow for ppo.reward_timeout_s is refused now (a ConfigError), not minutes into the run."""
+def probe(task: Task, responses: int, timeout_s: float) -> None:
+    """Before any worker starts: a sample prompt scored twice (the second call timed: a first call may load what the
+    function needs), so that a function that fails, returns no number or is too slow is refused now (a ConfigError),
+    not minutes into the run. `responses`: what the rewarder scores for a step or an evaluation, one call after the
+    other; the last worker's wait, ppo.reward_timeout_s, covers all of them."""
     prompt = task.prompt(random.Random(0))
-    started = time.perf_counter()
     try:
+        score_all(task, [prompt], ["0"])
+        started = time.perf_counter()
         score_all(task, [prompt], ["0"])
     except RewardError as e:
         raise ConfigError(str(e).replace("; fix the function, then resume the run", "")) from None
     took = time.perf_counter() - started
-    if took * responses_per_call > timeout_s:
+    if took * responses > timeout_s:
         raise ConfigError(
-            f"reward {task.name} took {took:.2f} s for one response; a worker's call scores {responses_per_call} "
-            f"responses, about {took * responses_per_call:.0f} s, beyond ppo.reward_timeout_s={timeout_s:g}: make it "
+            f"reward {task.name} took {took:.2f} s for one response; a step's workers wait for {responses} "
+            f"responses, about {took * responses:.0f} s, beyond ppo.reward_timeout_s={timeout_s:g}: make it "
             "faster, or raise ppo.reward_timeout_s (and timeouts.step_s above it)"
         )
 
