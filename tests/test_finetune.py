@@ -102,7 +102,7 @@ def test_export_merges_the_adapters_into_weights_that_give_the_runs_logits(base_
     targets = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.proj.weight")
     assert all(torch.equal(merged[n], base[n]) == (not n.endswith(targets)) for n in base)
     # the export is a base in its turn, not a run to resume; the LoRA run itself is no base (adapters only)
-    assert main(["train", "--resume", str(out), "--no-progress"]) == 1
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 2  # refused before Ray starts (issue 27, defect 7)
     assert "is an export of" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="holds a LoRA run's adapters, not a whole model"):
         finetune_config(str(reference), None, [])
