@@ -150,7 +150,8 @@ class LocalCluster:
         return found
 
     def stop(self) -> None:
-        """Terminate this cluster's processes, kill what is left after 10 s, remove its temp directory."""
+        """Terminate this cluster's processes, kill what is left after 10 s (and what started meanwhile), remove its
+        temp directory."""
         import psutil
 
         if self.pid:
@@ -158,18 +159,17 @@ class LocalCluster:
                 os.killpg(self.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        procs = self.processes()
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        for p in alive + self.processes():
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        for grace in (10, 5, 5):  # a raylet may start a worker while it is told to stop: look again
+            procs = self.processes()
+            if not procs:
+                break
+            for p in procs:
+                with contextlib.suppress(psutil.Error):
+                    p.terminate()
+            _, alive = psutil.wait_procs(procs, timeout=grace)
+            for p in alive:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
         if self.pid:
             with contextlib.suppress(ChildProcessError):  # `ray start` is this process's child when it started it here
                 os.waitpid(self.pid, os.WNOHANG)

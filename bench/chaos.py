@@ -61,12 +61,14 @@ def overrides(args) -> list[str]:
 # -- ours -----------------------------------------------------------------------
 
 
-def run_ours(args, every: int, extra: tuple[str, ...] = ()) -> dict:
+def run_ours(args, every: int, extra: tuple[str, ...] = (), ready_pool: bool = True) -> dict:
+    """`ready_pool`: each kill waits for a replacement (the bench); without, the group shrinks (the bench's test)."""
     from app.core.config import load_config
     from app.core.records import read_jsonl
     from app.job import new_run_dir, train
 
-    kills = ", ".join(f"{{rank: {r}, step: {s}, kind: kill, ready_pool: true}}" for s, r in schedule(args, every))
+    wait = ", ready_pool: true" if ready_pool else ""
+    kills = ", ".join(f"{{rank: {r}, step: {s}, kind: kill{wait}}}" for s, r in schedule(args, every))
     sets = [f"faults=[{kills}]", "cluster.warm_pool=1", f"cluster.max_recoveries={args.steps}", *extra]
     cfg = load_config("tiny", [*overrides(args), *sets, f"run.root={tempfile.mkdtemp(prefix='chaos-ours-')}"])
     run_dir = new_run_dir(cfg)
