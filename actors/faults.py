@@ -34,7 +34,8 @@ class FaultPlan:
     def due(self, step: int, pool_ready: bool = True, during: str = "step") -> dict[int, dict]:
         """rank -> the fault it meets at `step` (1-based; `during` its work or the evaluation after it), each fault
         once; one that waits for a ready pool worker (`ready_pool`) at the first step from its own on where there
-        is one."""
+        is one, and one such fault a step (a ready worker replaces one loss: two held faults firing together could
+        take every worker)."""
         due = {
             i: f
             for i, f in enumerate(self.faults)
@@ -43,6 +44,8 @@ class FaultPlan:
             and (f.step == step or f.ready_pool and f.step < step)
             and (pool_ready or not f.ready_pool)
         }
+        held = [i for i, f in due.items() if f.ready_pool]
+        due = {i: f for i, f in due.items() if not f.ready_pool or i == min(held)}
         self.fired |= set(due)
         for f in due.values():
             self.record(FaultFired(step, f.model_dump()))

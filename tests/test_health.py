@@ -176,6 +176,15 @@ def test_a_fault_is_recorded_when_it_fires_and_a_resumed_run_does_not_fire_it_ag
     assert resumed.due(3) == {} and list(resumed.due(5)) == [0]
 
 
+def test_faults_held_for_a_ready_pool_worker_fire_one_a_step_in_their_order():
+    """Issue 27's goodput bench: a kill every 5 steps, each held until a pool worker is ready; two held kills
+    (ranks 0 and 1) fired in the same step once the pool was back, took both workers, and the run failed."""
+    kills = [Fault(rank=r, step=s, kind="kill", ready_pool=True) for r, s in ((1, 5), (0, 10), (1, 15))]
+    plan = FaultPlan(kills, [].append)
+    assert [plan.due(step, pool_ready=False) for step in range(1, 16)] == [{}] * 15
+    assert [list(plan.due(step)) for step in (16, 17, 18, 19)] == [[1], [0], [1], []]
+
+
 class Team:
     """What HealthWatch asks of the group: its members, their nodes, the ready pool workers elsewhere."""
 
