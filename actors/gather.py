@@ -47,10 +47,10 @@ def gather(refs: list, among: list, what: str, timeout: float, ping_s: float, re
     if failed is None and not pending:
         return [results[r] for r in refs]
     cause = getattr(failed, "cause", failed) if failed is not None else f"no answer within {timeout:.0f} s"
+    details = "\n".join(filter(None, [str(failed) if failed is not None else None, getattr(cause, "details", None)]))
     if isinstance(cause, Failure):  # named by the work itself (a reward that fails): its peers may be waiting in a
         # collective for it and miss the ping; none of them is lost, and no replacement would do better
-        raise JobError(str(cause), "\n".join(filter(None, [str(failed), getattr(cause, "details", None)]))) from None
-    details = "\n".join(filter(None, [str(failed) if failed is not None else None, getattr(cause, "details", None)]))
+        raise JobError(str(cause), details) from None
     lost = find_lost(among, what, cause, ping_s, retire, details or None)
     raise WorkersLost(what, lost, [r in results for r in refs])
 
