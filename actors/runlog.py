@@ -23,7 +23,7 @@ from app.core.records import Record, append_jsonl, eta_s, read_jsonl, summarize,
 log = logging.getLogger(__name__)
 
 PACE_STEPS = 20  # the ETA's pace: the last this many steps
-STATUS_S = 1.0  # status.json is rewritten at most this often while records come
+STATUS_S = 1.0  # status.json is rewritten at most this often while records come, and at most this late after one
 HEARTBEAT_S = 5.0  # and at least this often between records (a long evaluation): `etrain status` sees it alive
 
 
@@ -39,16 +39,20 @@ class RunLog:
         self._commits: deque = deque(maxlen=PACE_STEPS)
         self._lock = threading.Lock()
         self._status_due = 0.0
+        self._written_at = 0.0
+        self._behind = False  # a record came since status.json was written
         self._stopped = threading.Event()
         self._writing = threading.Lock()
 
     def start(self) -> None:
-        """status.json from now on: at once, with every burst of records, and every HEARTBEAT_S between them."""
+        """status.json from now on: at once, within STATUS_S of every record, and every HEARTBEAT_S between them."""
         self.write_status()
         threading.Thread(target=self._heartbeat, name="status", daemon=True).start()
 
     def _heartbeat(self) -> None:
-        while not self._stopped.wait(HEARTBEAT_S):
+        while not self._stopped.wait(STATUS_S):
+            if not self._behind and time.monotonic() < self._written_at + HEARTBEAT_S:
+                continue
             try:
                 self.write_status()
             except Exception as e:  # read while the loop changes it: the next beat, or the next record, writes it
@@ -66,6 +70,7 @@ class RunLog:
             if data["kind"] == "train":
                 self._commits.append(time.monotonic())
                 self.first_step_at = self.first_step_at or data["time"]
+        self._behind = True
         if time.monotonic() >= self._status_due:
             self.write_status()
 
@@ -97,8 +102,10 @@ class RunLog:
         if self.keeper.lost:  # the run's new owner writes it
             return
         with self._writing:  # the heartbeat's and the loop's: one at a time, each with the state as it is then
+            self._behind = False
             write_json(self.run_dir / "status.json", {**self.status(), "updated": time.time()})
-        self._status_due = time.monotonic() + STATUS_S
+            self._written_at = time.monotonic()
+        self._status_due = self._written_at + STATUS_S
 
     def summary(self) -> dict:
         summary = summarize(self.run_dir / "metrics.jsonl", self.cfg, self.started_at, self.first_step_at)

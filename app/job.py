@@ -255,6 +255,13 @@ def _beside_driver():
 def _follow(coordinator, done, cfg: Config, progress: Progress, on_eval: Callable[[dict], None] | None = None) -> None:
     """Show the job's records as they come (app/progress.py) until it ends; hand evaluations to `on_eval`."""
     try:
+        try:  # its process starting (Ray's worker start, the imports) is not an answer it owes yet
+            ray.get(coordinator.__ray_ready__.remote(), timeout=cfg.timeouts.join_s)
+        except ray.exceptions.GetTimeoutError:
+            raise JobError(
+                f"the job's coordinator did not start within {cfg.timeouts.join_s:.0f} s (timeouts.join_s): the "
+                "driver's node has no room for its process, or that process is hung"
+            ) from None
         while True:
             finished, _ = ray.wait([done], timeout=0.5)
             try:

@@ -74,10 +74,15 @@ def test_metrics_status_and_report_of_a_live_run(ray_session, make_cfg, capsys):
         """Scale out once a pool worker is ready; take `etrain status`; scrape until every metric is there."""
         while not records(run_dir, "train"):
             time.sleep(0.2)
+        deadline = time.monotonic() + 10  # status.json follows the records within runlog.STATUS_S
+        while time.monotonic() < deadline:
+            assert main(["status", "--json", str(run_dir)]) == 0
+            seen["status"] = json.loads(capsys.readouterr().out)
+            if seen["status"]["step"] >= 1:
+                break
+            time.sleep(0.2)
         assert main(["status", str(run_dir), "--once"]) == 0
         seen["status_text"] = capsys.readouterr().out
-        assert main(["status", "--json", str(run_dir)]) == 0
-        seen["status"] = json.loads(capsys.readouterr().out)
         assert main(["scale", str(run_dir), "--workers", "2"]) == 0
         capsys.readouterr()
         deadline = time.monotonic() + 90
