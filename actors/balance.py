@@ -3,7 +3,7 @@
 Written by hand: no framework we know rebalances per-worker batch sizes (NVIDIA's
 resiliency extension only detects stragglers). The global batch never changes,
 only its split, and every sample's loss weighs 1/global_batch however the batch
-is split (actors/worker.py), so an update is the single-process update on the
+is split (actors/worker/data_parallel.py), so an update is the single-process update on the
 same batch and the run stays deterministic up to float reduction order.
 
 Speed is samples per second of a worker's own compute (forward and backward up

@@ -5,7 +5,7 @@ It runs as a Ray actor pinned to the driver's node (the run directory lives ther
 a module of its own, and this loop only sequences them:
 
     actors/step.py        one step as a transaction (and an evaluation)
-    actors/ppo_step.py    a PPO step instead (actors/rollout.py on the workers, actors/scorers.py beside them)
+    actors/ppo_step.py    a PPO step instead (actors/worker/rollout.py on the workers, actors/scorers.py beside them)
     actors/membership.py  the group, the warm pool, resizes and recoveries
     actors/saving.py      checkpoints, and where a resume or a rollback lands
     actors/data_plane.py  layout, node caches, data cost, quarantine

@@ -1,7 +1,7 @@
 """Failure injection for tests and drills (config `faults`): which worker fails how, and at which step.
 
 `FaultPlan.due(step)` hands each fault to its rank once, with that step's work; the worker
-calls `apply`. Kinds: kill (the process exits, as a lost node), hang (it stops answering),
+carries it out (actors/worker/injection.py). Kinds: kill (the process exits, as a lost node), hang (it stops answering),
 slow (a straggler: compute takes `factor` times as long from then on), nan and spike (the
 loss is poisoned: a non-finite or a huge gradient), and kill_in_allreduce (the process exits
 inside the gradient all-reduce, after sending its first bucket: peers fail mid-collective).
@@ -14,8 +14,6 @@ noisy (compute time varies by up to `factor` times, every step; it never fails).
 
 from __future__ import annotations
 
-import os
-import random
 import time
 from collections.abc import Callable
 
@@ -91,37 +89,3 @@ class ScriptedTelemetry:
             values = {k: v for k, v in row.items() if k in READING_FIELDS}
             out.append(Reading(node, time.time(), "script", synthetic=True, **values))
         return out
-
-
-def apply(fault: dict | None, worker) -> None:
-    """In the worker, as its step begins."""
-    if not fault:
-        return
-    kind = fault["kind"]
-    if kind == "kill" or (kind == "kill_in_allreduce" and worker.sync is None):  # alone: no collective to die in
-        os._exit(1)
-    elif kind == "kill_in_allreduce":
-        worker.sync.die_in_allreduce = True
-    elif kind == "hang":
-        time.sleep(10**6)
-    elif kind == "slow":
-        worker.slowdown = fault["factor"]
-    elif kind == "nan":
-        worker.poisoned = float("nan")
-    elif kind == "spike":
-        worker.poisoned = fault["factor"]
-    elif kind in ("degrade", "ecc", "noisy"):
-        worker.failing = fault
-
-
-def tick(worker, step: int) -> None:
-    """In the worker, as step `step` (1-based) begins: a slowly failing worker's slowdown for it, or its death."""
-    fault = getattr(worker, "failing", None)
-    if not fault:
-        return
-    if fault["until"] is not None and step >= fault["until"]:
-        os._exit(1)
-    if fault["kind"] == "degrade":
-        worker.slowdown = 1 + (fault["factor"] - 1) * (step - fault["step"] + 1)
-    elif fault["kind"] == "noisy":
-        worker.slowdown = 1 + (fault["factor"] - 1) * random.Random(step * 7919 + fault["rank"]).random()

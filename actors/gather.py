@@ -82,7 +82,7 @@ def find_lost(
 
 
 def released(worker, ping_s: float) -> bool:
-    """Whether `worker` was waiting for its peers to meet, and is now let go (actors/worker.py `release`)."""
+    """Whether `worker` was waiting for its peers to meet, and is now let go (actors/worker/actor.py `release`)."""
     try:
         return ray.get(worker.release.remote(), timeout=ping_s)
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):

@@ -1,6 +1,6 @@
 """A PPO step as a transaction on the coordinator: Stepper's, with each worker's share of the step's prompts in
-place of a data batch (actors/rollout.py does the work), the KL coefficient the steps adapt, and the evaluation of
-the policy's mean reward on held-out prompts."""
+place of a data batch (actors/worker/rollout.py does the work), the KL coefficient the steps adapt, and the
+evaluation of the policy's mean reward on held-out prompts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import time
 import numpy as np
 
 from actors.gather import WorkersLost
-from actors.step import Outcome, Position, Stepper, StepReport
+from actors.protocol import StepReport
+from actors.step import Outcome, Position, Stepper
 from app.core.ppo import AdaptiveKL
 
 MEANS = ("reward", "kl", "kl_coef", "response_len", "clip_fraction", "entropy", "value_loss", "policy_loss")

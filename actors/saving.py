@@ -2,7 +2,7 @@
 a resume or a rollback lands.
 
 Workers copy their part of the state to CPU and write it on a thread of their own
-(actors/worker.py `checkpoint_begin`); this object remembers the save until every
+(actors/worker/actor.py `checkpoint_begin`); this object remembers the save until every
 writer says it is done, then writes the commit marker (app/core/checkpoint.py) and
 applies retention. A save whose writer fails or is lost is never committed, so a
 reader can only ever find the one before it.

@@ -12,7 +12,7 @@ from app.core.config import Config
 from app.core.finetune import load_base
 from app.core.model import GPT
 from app.core.ppo import token_logprobs
-from app.core.rewards import RewardError, load, score_all
+from app.core.rewards import load, score_all
 
 
 class Reference:
@@ -37,24 +37,6 @@ class Rewarder:
 
     def score(self, prompts: list[str], responses: list[str]) -> list[float]:
         return score_all(self.task, prompts, responses)
-
-
-def wait_for_scores(rewarder, prompts: list[str], responses: list[str], cfg: Config, ask=None) -> list[float]:
-    """The reward's scores of a worker's responses, within ppo.reward_timeout_s (one rewarder serves every worker,
-    one call at a time, so the wait includes the calls queued before this one). A slow or failing reward is named
-    (RewardError), never taken for a hung worker. `ask`: the call, made already."""
-    ref = ask if ask is not None else rewarder.score.remote(prompts, responses)
-    limit = cfg.reward_timeout_s()
-    try:
-        return ray.get(ref, timeout=limit)
-    except ray.exceptions.GetTimeoutError:
-        raise RewardError(
-            f"reward {cfg.ppo.reward} did not score {len(responses)} responses within ppo.reward_timeout_s={limit:g} "
-            "(one call at a time serves every worker: the calls before this one count); make it faster, or raise "
-            "ppo.reward_timeout_s (below timeouts.step_s)"
-        ) from None
-    except ray.exceptions.RayTaskError as e:
-        raise e.cause from None  # the reward's own error (RewardError), not Ray's wrapper
 
 
 def start(cfg: Config) -> tuple:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from actors.gather import WorkersLost
+from actors.protocol import StepReport
 from app.core.config import Config
 from app.core.records import Balance, Outlier, Train
 from pipelines import order
@@ -32,27 +33,6 @@ class Position:
     def advance(self, batch: int) -> None:
         """A step of `batch` samples committed."""
         self.step, self.cursor = self.step + 1, self.cursor + batch
-
-
-@dataclass
-class StepReport:
-    """One worker's part of a step (actors/worker.py `train_step`)."""
-
-    finite: bool  # every rank holds the same synchronised gradient, so every rank says the same
-    skipped: bool  # above the outlier guard's limit: the update was skipped
-    loss: float  # this worker's share of the step's mean loss
-    grad_norm: float
-    lr: float
-    samples: int
-    compute_s: float  # forward and backward up to the last gradient bucket: no waiting on peers
-    communication_s: float  # the all-reduce time not hidden behind the backward pass
-    worker_s: float
-    comm_bytes: int
-    dense_bytes: int
-    optimizer_bytes: int
-    data: dict  # hits, misses, wait_s
-    saving: bool  # a checkpoint part is still being written
-    ppo: dict | None = None  # a PPO step's sums over this worker's rollouts (actors/rollout.py)
 
 
 @dataclass

@@ -1,13 +1,59 @@
 """The benchmarks' own code paths, on tiny inputs, so a change elsewhere cannot silently break them."""
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+from app.core.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def comm_figures(records: list[dict], warmup: int) -> dict:
+    """What bench/comm.py reports of a run, computed here from its records another way: the samples of the steps
+    after step `warmup + 1` (their batches) over the time since that step ended; means of per-worker bytes."""
+    steps = [r for r in records if r["kind"] == "train"]
+    start = next(r for r in steps if r["step"] == warmup + 1)
+    counted = [r for r in steps if r["step"] > start["step"]]
+    return {
+        "samples_per_s": sum(r["batch"] for r in counted) / (counted[-1]["time"] - start["time"]),
+        "eval_loss": max((r for r in records if r["kind"] == "eval"), key=lambda r: r["step"])["eval_loss"],
+        "final_loss": counted[-1]["loss"],
+        "bytes_per_worker_step": statistics.fmean(r["comm_bytes"] / r["world_size"] for r in steps),
+        "dense_bytes_per_worker_step": statistics.fmean(r["dense_bytes"] / r["world_size"] for r in steps),
+        "last_step_bytes_per_worker": counted[-1]["comm_bytes"] / counted[-1]["world_size"],
+        "optimizer_bytes_per_worker": max(counted[-1]["optimizer_bytes"]),
+    }
+
+
+def finetune_figures(records: list[dict]) -> dict:
+    """What bench/finetune.py measures of a run, from its records: the step time is the middle of the sorted
+    times of the steps past the first quarter (the mean of the two middle ones for an even count)."""
+    steps = [r for r in records if r["kind"] == "train"]
+    times = sorted(r["step_time_s"] for r in steps if r["step"] > len(steps) // 4)
+    half = len(times) // 2
+    return {
+        "eval_loss": max((r for r in records if r["kind"] == "eval"), key=lambda r: r["step"])["eval_loss"],
+        "step_s": times[half] if len(times) % 2 else (times[half - 1] + times[half]) / 2,
+        "optimizer_bytes_per_worker": max(steps[-1]["optimizer_bytes"]),
+        "checkpoint_bytes": max((r for r in records if r["kind"] == "checkpoint"), key=lambda r: r["step"])["bytes"],
+        "samples": sum(r["batch"] for r in steps),
+    }
+
+
+def fake_train(runs: dict[str, list[dict]]):
+    """`train` for a bench's own code path without Ray: writes the records `runs` holds for the run's name."""
+
+    def train(cfg, run_dir, **_):
+        with open(Path(run_dir) / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in runs[cfg.run.name])
+
+    return train
 
 
 def test_throughput_plain_variant_runs(tmp_path):
@@ -59,8 +105,44 @@ def test_comm_bench_runs_a_straggler_variant_and_compares(ray_session, data_dir,
     result = comm.run_variant("balanced", [*comm.STRAGGLER["balanced"], *small], 14, tmp_path, data_dir)
     assert result["samples_per_s"] > 0 and sum(result["final_shares"]) == 16
     assert result["bytes_per_worker_step"] == result["dense_bytes_per_worker_step"] > 0
-    ratios = comm.compare({"static": result | {"samples_per_s": result["samples_per_s"] / 2}, "balanced": result})
-    assert ratios["balanced_vs_static_throughput"] == 2.0
+    records = read_jsonl(tmp_path / "balanced" / "metrics.jsonl")
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 15))
+    expected = comm_figures(records, comm.WARMUP)
+    assert {k: result[k] for k in expected} == pytest.approx(expected, rel=1e-9)
+    assert result["final_shares"] == [r for r in records if r["kind"] == "train"][-1]["shares"]
+
+
+def test_comm_bench_compares_the_figures_of_its_variants_records(tmp_path, monkeypatch):
+    """run_variant and compare on two runs' records (a slow warm-up, then uneven steps): the ratios are those of
+    the figures computed here from the records, so a wrong window, figure or ratio shows."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import comm
+
+    def run(step_s: list[float], eval_loss: float, bytes_: int) -> list[dict]:
+        times = np.cumsum(step_s).tolist()
+        steps = [
+            {"kind": "train", "step": s, "world_size": 2, "batch": 16, "samples": 16 * s, "time": 1000.0 + times[s - 1],
+             "loss": 4.0 - s / 8, "comm_bytes": bytes_ * (s % 3 + 1), "dense_bytes": 2 * bytes_,
+             "optimizer_bytes": [7 * bytes_, 5 * bytes_], "shares": [8 + s % 2, 8 - s % 2]}
+            for s in range(1, len(step_s) + 1)
+        ]  # fmt: skip
+        return [*steps, {"kind": "eval", "step": len(step_s), "eval_loss": eval_loss, "time": 1000.0 + times[-1]}]
+
+    warm = [3.0] * (comm.WARMUP + 1)
+    runs = {"static": run([*warm, 0.5, 1.0, 0.5], 3.0, 400), "balanced": run([*warm, 0.25, 0.75, 0.25], 3.3, 100)}
+    monkeypatch.setattr(comm, "train", fake_train(runs))
+    results = {name: comm.run_variant(name, [], 14, tmp_path, str(tmp_path / "data")) for name in runs}
+    figures = {name: comm_figures(records, comm.WARMUP) for name, records in runs.items()}
+    for name in runs:
+        assert {k: results[name][k] for k in figures[name]} == pytest.approx(figures[name], rel=1e-12), name
+    assert results["balanced"]["final_shares"] == runs["balanced"][-2]["shares"]
+    assert comm.compare(results) == pytest.approx(
+        {
+            "balanced_vs_static_throughput": figures["balanced"]["samples_per_s"] / figures["static"]["samples_per_s"],
+            "balanced_eval_loss_vs_static": figures["balanced"]["eval_loss"] / figures["static"]["eval_loss"] - 1,
+        },
+        rel=1e-12,
+    )
 
 
 def test_finetune_bench_runs_a_large_batch_variant_and_compares(ray_session, data_dir, tmp_path):
@@ -71,11 +153,53 @@ def test_finetune_bench_runs_a_large_batch_variant_and_compares(ray_session, dat
     result = finetune.run_large("lamb", 2, str(tmp_path), data_dir, 0, small)
     assert result["samples"] == 2 * finetune.LARGE_BATCH and result["optimizer_bytes_per_worker"] > 0
     assert result["checkpoint_bytes"] > 0 and np.isfinite(result["eval_loss"])
-    figures = {k: {"median": v} for k, v in result.items()}
-    ratios = finetune.compare({"adamw": figures, "lamb": {**figures, "eval_loss": {"median": 2 * result["eval_loss"]}}})
-    assert ratios == {"lamb_eval_loss_vs_adamw": 1.0}
+    records = read_jsonl(tmp_path / "lamb-0" / "metrics.jsonl")
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    assert result == pytest.approx(finetune_figures(records), rel=1e-9)
     descriptions = finetune.package_descriptions(tmp_path / "p.jsonl").read_text().splitlines()
     assert descriptions and all(len(json.loads(line)["text"]) > 500 for line in descriptions)
+
+
+def test_finetune_bench_compares_the_medians_of_its_rounds(tmp_path, monkeypatch):
+    """run_large, summary and compare as main() chains them, on three rounds' records per variant: each figure is
+    the one computed here from the records, each round's spread its min and max, each ratio one of medians."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import finetune
+    import rounds
+
+    def run(eval_loss: float, step_s: list[float]) -> list[dict]:
+        steps = [
+            {"kind": "train", "step": s, "world_size": 2, "batch": finetune.LARGE_BATCH, "step_time_s": t,
+             "optimizer_bytes": [100 * s, 120 * s], "time": 1000.0 + s}
+            for s, t in enumerate(step_s, 1)
+        ]  # fmt: skip
+        saves = [{"kind": "checkpoint", "step": s, "bytes": 500 + s} for s in (4, len(step_s))]
+        return [*steps, *saves, {"kind": "eval", "step": len(step_s), "eval_loss": eval_loss}]
+
+    slow_start = [9.0, 9.0, 1.0, 3.0, 2.0, 5.0, 4.0, 1.5]  # the first quarter left out: a median of 2.5, not 3.5
+    losses = {"adamw": [3.0, 2.0, 2.2], "lamb": [2.0, 4.0, 2.6]}  # medians 2.2 and 2.6; means 2.4 and 2.87
+    runs = {
+        f"{name}-{rnd}": run(loss, [t * (rnd + 1) for t in slow_start])
+        for name, by_round in losses.items()
+        for rnd, loss in enumerate(by_round)
+    }
+    monkeypatch.setattr(finetune, "train", fake_train(runs))
+    measured = {
+        name: [
+            finetune.run_large(name, len(slow_start), str(tmp_path), str(tmp_path / "data"), rnd) for rnd in (0, 1, 2)
+        ]
+        for name in losses
+    }
+    for name, by_round in measured.items():
+        for rnd, result in enumerate(by_round):
+            assert result == pytest.approx(finetune_figures(runs[f"{name}-{rnd}"]), rel=1e-12), (name, rnd)
+    results = {name: rounds.summary(by_round) for name, by_round in measured.items()}
+    for name, by_round in measured.items():
+        for key in by_round[0]:
+            values = sorted(r[key] for r in by_round)
+            assert results[name][key] == {"median": values[1], "min": values[0], "max": values[2]}, (name, key)
+    middle = {name: sorted(by_round)[1] for name, by_round in losses.items()}
+    assert finetune.compare(results) == pytest.approx({"lamb_eval_loss_vs_adamw": middle["lamb"] / middle["adamw"] - 1})
 
 
 def test_chaos_bench_kills_on_its_schedule_and_counts_what_was_committed(ray_session, data_dir):

@@ -10,7 +10,7 @@ import ray
 import torch
 from test_training import form_group
 
-from actors.worker import _assemble, spawn
+from actors.worker import assemble, spawn
 from app.core import checkpoint
 from app.core.checkpoint import deserialize, load_latest
 from app.core.model import GPT
@@ -87,7 +87,7 @@ def test_zero1_shards_the_optimizer_state_and_gathers_it_whole(make_cfg, tmp_pat
     assert sorted(written[0]["files"]) == ["extra.pt", "model.pt", "optim-000.pt", "optim-groups.pt"]
     assert sorted(written[1]["files"]) == ["optim-001.pt"]
     checkpoint.commit(path, {"level": "full", "step": 1}, written[0]["files"] | written[1]["files"])
-    merged = _assemble(checkpoint.load_latest(str(tmp_path / "ck")).parts)["optimizer"]
+    merged = assemble(checkpoint.load_latest(str(tmp_path / "ck")).parts)["optimizer"]
     expected = deserialize(gathered[0])["optimizer"]
     assert merged["param_groups"] == expected["param_groups"] and merged["state"].keys() == expected["state"].keys()
     assert all(torch.equal(merged["state"][i][k], v) for i, st in expected["state"].items() for k, v in st.items())

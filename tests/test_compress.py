@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from actors.compress import SEGMENT, GradSync, topk_compress, topk_decompress, topk_kept
+from actors.worker.compress import SEGMENT, GradSync, topk_compress, topk_decompress, topk_kept
 from app.core.ports import free_port
 
 WORLD = 2

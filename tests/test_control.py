@@ -38,9 +38,24 @@ def test_next_state(state, o, expected):
     assert next_state(state, o) == expected
 
 
-def test_every_live_state_can_reach_finished():
-    for state in (State.STARTING, State.RUNNING, State.RESIZING, State.RECOVERING, State.CHECKPOINTING):
-        assert next_state(state, obs(step=10)) == State.FINISHED
+END = {State.FINISHED, State.FAILED}  # a job that ended stays ended, whatever is observed after
+
+
+@pytest.mark.parametrize("state", list(State))
+def test_only_an_ended_job_ignores_what_is_observed(state):
+    """Every state: a live one goes where each observation leads (the last step: FINISHED; a lost worker:
+    RECOVERING, or FAILED without recoveries left; ...), an ended one stays as it is."""
+    leads = [
+        (obs(step=10), State.FINISHED),
+        (obs(), State.RUNNING),
+        (obs(target=3), State.RESIZING),
+        (obs(lost=1), State.RECOVERING),
+        (obs(lost=1, recoveries=3), State.FAILED),
+        (obs(evaluation_due=True), State.EVALUATING),
+        (obs(checkpoint_due=True), State.CHECKPOINTING),
+    ]
+    assert {to for _, to in leads} == set(State) - {State.STARTING}  # every state a job can go to
+    assert [next_state(state, o) for o, _ in leads] == [state if state in END else to for _, to in leads]
 
 
 @pytest.mark.parametrize(

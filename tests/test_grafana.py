@@ -11,22 +11,27 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+from metric_source import declared_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD_JSON = ROOT / "configs" / "grafana" / "etrain.json"
 DASHBOARD_PY = ROOT / "actors" / "dashboard.py"
-KINDS = ("Gauge", "Counter", "Histogram")
 METRIC = re.compile(r"\bray_etrain_\w+")
+# A metric whose description says it is a share of a whole (0 to 1): Grafana shows it as a percentage.
+FRACTION = re.compile(r"\b(share|utilisation|0 to 1)\b")
 
 CONSTRUCT = """
 import json
 import ray
+from ray._raylet import Config
 from ray.util.metrics import Metric
 from actors.dashboard import Dashboard
 
@@ -42,7 +47,13 @@ def walk(value):
 
 d = Dashboard("t")
 found = {m.info["name"]: [type(m).__name__, list(m.info["tag_keys"])] for m in walk(vars(d))}
-print(json.dumps({"ray_initialized": ray.is_initialized(), "metrics": found}))
+described = {m.info["name"]: m.info["description"] for m in walk(vars(d))}
+print(json.dumps({
+    "ray_initialized": ray.is_initialized(),
+    "metrics": found,
+    "descriptions": described,
+    "report_interval_ms": Config.metrics_report_interval_ms(),  # how often Ray exports them (its default)
+}))
 """
 
 
@@ -61,16 +72,23 @@ def dashboard() -> dict:
 
 
 @pytest.fixture(scope="module")
-def published() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """metric name as given to ray.util.metrics -> (kind, tag keys), from a constructed Dashboard."""
+def constructed() -> dict:
+    """What a constructed Dashboard holds (its metrics, their descriptions) and Ray's default export interval."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_metrics_report_interval_ms"}  # Ray's default, not ours
     out = subprocess.run(
-        [sys.executable, "-c", CONSTRUCT], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", CONSTRUCT], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert not result["ray_initialized"], "constructing Dashboard must not start Ray"
     assert result["metrics"], "Dashboard('t') holds no ray.util.metrics objects"
-    return {name: (kind, tuple(keys)) for name, (kind, keys) in result["metrics"].items()}
+    return result
+
+
+@pytest.fixture(scope="module")
+def published(constructed) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """metric name as given to ray.util.metrics -> (kind, tag keys), from a constructed Dashboard."""
+    return {name: (kind, tuple(keys)) for name, (kind, keys) in constructed["metrics"].items()}
 
 
 @pytest.fixture(scope="module")
@@ -86,55 +104,8 @@ def series(every_metric) -> dict[str, tuple[str, tuple[str, ...] | None]]:
 
 
 def parsed_metric_names() -> dict[str, str]:
-    """metric name -> kind, for every Gauge/Counter/Histogram call in actors/dashboard.py.
-
-    A name is a string literal, or an f-string over the variable of a dict comprehension that
-    iterates `{...}.items()` (the gauges table): that one stands for every key of the literal dict.
-    """
-    tree = ast.parse(DASHBOARD_PY.read_text())
-    expansions: dict[int, list[str]] = {}  # id(call) -> names, for calls inside a comprehension over a literal dict
-    for comp in ast.walk(tree):
-        if not isinstance(comp, (ast.DictComp, ast.ListComp, ast.SetComp, ast.GeneratorExp)):
-            continue
-        for gen in comp.generators:
-            it = gen.iter
-            if (
-                isinstance(it, ast.Call)
-                and isinstance(it.func, ast.Attribute)
-                and it.func.attr in ("items", "keys")
-                and isinstance(it.func.value, ast.Dict)
-            ):
-                keys = [ast.literal_eval(k) for k in it.func.value.keys]
-                var = gen.target.elts[0] if isinstance(gen.target, ast.Tuple) else gen.target
-                for call in ast.walk(comp):
-                    if isinstance(call, ast.Call) and call.args and isinstance(call.args[0], ast.JoinedStr):
-                        expansions[id(call)] = [_render(call.args[0], {var.id: k}) for k in keys]
-    names = {}
-    for call in ast.walk(tree):
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in KINDS):
-            continue
-        arg = call.args[0] if call.args else next(k.value for k in call.keywords if k.arg == "name")
-        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-            found = [arg.value]
-        elif id(call) in expansions:
-            found = expansions[id(call)]
-        else:
-            raise AssertionError(f"line {call.lineno}: cannot read the metric name {ast.unparse(arg)}")
-        for n in found:
-            names[n] = call.func.id
-    return names
-
-
-def _render(fstring: ast.JoinedStr, env: dict[str, str]) -> str:
-    parts = []
-    for v in fstring.values:
-        if isinstance(v, ast.Constant):
-            parts.append(v.value)
-        elif isinstance(v, ast.FormattedValue) and isinstance(v.value, ast.Name) and v.value.id in env:
-            parts.append(env[v.value.id])
-        else:
-            raise AssertionError(f"cannot render the metric name {ast.unparse(fstring)}")
-    return "".join(parts)
+    """metric name -> kind, for every Gauge/Counter/Histogram construction in actors/dashboard.py."""
+    return declared_metrics(ast.parse(DASHBOARD_PY.read_text()), str(DASHBOARD_PY.relative_to(ROOT)))
 
 
 def targets(dashboard: dict):
@@ -146,12 +117,23 @@ def targets(dashboard: dict):
             yield panel, target
 
 
-def test_importable_model(dashboard):
-    assert dashboard["title"] == "etrain: training"
-    assert dashboard["uid"] == "etrain-training"
-    assert dashboard["schemaVersion"] == 39
-    assert dashboard["refresh"] == "10s"
-    assert dashboard["time"] == {"from": "now-1h", "to": "now"}
+def seconds(interval: str) -> int:
+    """A Grafana interval ("10s", "1m", "1h") in seconds."""
+    m = re.fullmatch(r"(\d+)([smhd])", interval)
+    assert m, f"not a Grafana interval: {interval!r}"
+    return int(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def test_importable_model(dashboard, constructed):
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"]
+    title, uid = dashboard["title"], dashboard["uid"]
+    assert title.startswith(f"{project}: "), f"{title!r} does not name the project, {project}"
+    # A uid Grafana takes (at most 40 of [A-Za-z0-9_-]): the title's slug, so /d/<uid>/<slug> reads alike.
+    assert uid == re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-") and len(uid) <= 40, (uid, title)
+    assert isinstance(dashboard["schemaVersion"], int)  # Grafana migrates an older schema when it imports one
+    # Refreshed as often as Ray exports the metrics: faster redraws the same values, slower lags behind them.
+    assert seconds(dashboard["refresh"]) * 1000 == constructed["report_interval_ms"], dashboard["refresh"]
+    assert dashboard["time"]["to"] == "now" and seconds(dashboard["time"]["from"].removeprefix("now-")) > 0
     assert isinstance(dashboard["panels"], list) and dashboard["panels"]
 
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
@@ -200,6 +182,37 @@ def test_every_query_uses_published_metrics_and_their_tags(dashboard, series):
         legend = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")))
         shown = grouped if grouped else tags
         assert legend <= shown, f"{panel['title']}: legend uses {sorted(legend - shown)}, which the query drops"
+
+
+def unit_of(series: str, metric: str, kind: str, description: str, expr: str) -> str:
+    """The Grafana unit a Prometheus series calls for, from the metric as actors/dashboard.py defines it."""
+    if metric.endswith("_seconds"):
+        return "s"
+    if metric.endswith("_bytes"):
+        per_second = kind == "Counter" and re.search(rf"\bi?rate\(\s*{re.escape(series)}\b", expr)
+        return "Bps" if per_second else "bytes"
+    if FRACTION.search(description):
+        return "percentunit"
+    return "short"
+
+
+def test_each_panel_has_the_unit_of_its_metrics(dashboard, every_metric, series, constructed):
+    """A panel's unit follows from what it plots: seconds, bytes (a rate of them: bytes/s), a share of a whole
+    (shown as a percentage), a count or a plain number otherwise; one panel never mixes two of them."""
+    descriptions = constructed["descriptions"]
+    checked = 0
+    for panel in dashboard["panels"]:
+        if panel["type"] in ("row", "heatmap"):  # a heatmap's unit is its buckets'
+            continue
+        found = [(s, t["expr"]) for t in panel.get("targets", []) for s in METRIC.findall(t["expr"])]
+        metrics = {s: series[s][0] for s, _ in found}
+        if any(m not in descriptions for m in metrics.values()):
+            continue  # a metric Dashboard.__init__ does not create: its description is unknown
+        units = {unit_of(s, metrics[s], every_metric[metrics[s]][0], descriptions[metrics[s]], e) for s, e in found}
+        assert len(units) == 1, f"{panel['title']}: its queries plot {sorted(units)}"
+        assert panel["fieldConfig"]["defaults"].get("unit") == units.pop(), panel["title"]
+        checked += 1
+    assert checked, "no panel's unit was checked"
 
 
 def test_every_published_metric_is_on_the_dashboard(dashboard, every_metric):

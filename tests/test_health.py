@@ -9,8 +9,9 @@ import re
 
 import pytest
 
-from actors.faults import FaultPlan, tick
+from actors.faults import FaultPlan
 from actors.membership import plan_resize
+from actors.worker.injection import Injected, tick
 from app.core.config import ConfigError, Fault, HealthConfig, load_config
 from app.core.health import SOFT, Drift, NodeHealth, Reading, combine
 
@@ -111,12 +112,8 @@ def test_the_ecc_drill_reports_rising_errors_then_an_uncorrectable_one_on_the_no
     assert node.soft["ecc_sbe"][0] == pytest.approx(SOFT)  # the rate rose for every reading
 
 
-class Worker:
-    slowdown = 1.0
-
-
 def test_degrade_and_noisy_faults_set_the_slowdown_each_step_and_degrade_dies_at_until(monkeypatch):
-    w = Worker()
+    w = Injected()
     w.failing = Fault(rank=0, step=5, kind="degrade", factor=1.5, until=9).model_dump()
     tick(w, 5)
     assert w.slowdown == 1.5

@@ -46,3 +46,23 @@ def test_imports_point_one_way(path):
     mine = layer(module)
     wrong = sorted(m for m in imports(path) if layer(m) is not None and layer(m) not in ALLOWED[mine])
     assert not wrong, f"{module} ({mine}) imports {wrong}: against the layers"
+
+
+ACTORS = [p for p in SOURCES if p.parts[len(ROOT.parts)] == "actors"]
+
+
+@pytest.mark.parametrize("path", ACTORS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_worker_and_the_coordinator_side_share_only_the_protocol(path):
+    """Inside `actors`, the worker (actors/worker/) and the coordinator's side (the rest) meet over Ray calls and
+    actors/protocol.py's types. The one import across: the pool starts workers (the package's `spawn`)."""
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    mine = {m for m in imports(path) if m.startswith("actors.") and m != module}
+    if module.startswith("actors.worker"):
+        across = sorted(m for m in mine if not m.startswith("actors.worker") and m != "actors.protocol")
+    else:
+        across = sorted(
+            m for m in mine if m.startswith("actors.worker") and (m, module) != ("actors.worker", "actors.pool")
+        )
+    assert not across, (
+        f"{module} imports {across} across the worker/coordinator line: put what both need in actors.protocol"
+    )

@@ -21,8 +21,6 @@ from app.core.lora import LoRALinear, add_adapters, merged_state
 from app.core.model import GPT
 from app.core.optim import make_optimizer
 
-pytestmark = pytest.mark.unit
-
 CFG = load_config("tiny")
 TOKENS = torch.randint(0, CFG.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
 

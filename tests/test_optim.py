@@ -9,8 +9,6 @@ from app.core.config import ConfigError, load_config
 from app.core.model import GPT
 from app.core.optim import lr_factor, make_optimizer, make_scheduler
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize("t_0, t_mult", [(7, 1), (5, 2), (3, 3)])
 def test_cosine_restarts_after_the_warm_up_are_torchs_cosine_annealing_warm_restarts(t_0, t_mult):

@@ -7,8 +7,6 @@ import torch
 
 from app.core.ppo import AdaptiveKL, boosted, entropy, gae, moments, policy_loss, token_rewards, value_loss, whiten
 
-pytestmark = pytest.mark.unit
-
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])  # two responses of 3 and 2 tokens
 
 
@@ -81,7 +79,7 @@ def test_the_kl_coefficient_moves_towards_the_target_with_a_clipped_error():
 
 
 def test_prompts_are_left_padded_with_the_separator_and_a_response_ends_at_its_first():
-    from actors.rollout import prompt_tokens, response_mask, response_texts
+    from actors.worker.rollout import prompt_tokens, response_mask, response_texts
 
     rows = prompt_tokens(["ab", "abcdef"], 4)
     assert rows.tolist() == [[0, 0, 97, 98], [99, 100, 101, 102]]  # cut to the last 4 bytes

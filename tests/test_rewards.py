@@ -13,8 +13,6 @@ from app.core.config import ConfigError, load_config
 from app.core.model import GPT, sample
 from app.core.rewards import TASKS, RewardError, Task, brackets, digits, length, load, probe, score_all
 
-pytestmark = pytest.mark.unit
-
 
 def test_digits_scores_the_share_of_digits():
     assert digits("x = ", "1234") == 1.0 and digits("x = ", "ab") == -1.0 and digits("x = ", "") == -1.0

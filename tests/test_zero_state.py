@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from actors.zero_state import local_part, merge, param_groups
+from actors.worker.zero_state import local_part, merge, param_groups
 from app.core.config import load_config
 from app.core.model import GPT
 from app.core.optim import make_optimizer, make_param_groups, make_scheduler, optimizer_class, optimizer_defaults
@@ -44,7 +44,7 @@ def set_grads(model: nn.Module, step: int) -> None:
 
 
 def make_zero(model: nn.Module) -> ZeroRedundancyOptimizer:
-    """As actors/worker.py builds it."""
+    """As actors/worker/data_parallel.py builds it."""
     return ZeroRedundancyOptimizer(
         make_param_groups(model, CFG.optim),
         optimizer_class=torch.optim.AdamW,

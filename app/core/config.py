@@ -765,6 +765,7 @@ class Config(Section):
             # its trust ratio needs each tensor's whole norm, and a laid-out rank holds a slice of some
             "optim.name=lamb": self.optim.name == "lamb",
             "finetune.method=lora": self.finetune.lora_on,
+            "PPO (ppo.reward)": bool(self.ppo.reward),  # its rollouts and updates are data-parallel's
         }
         refused = [name for name, used in unsupported.items() if used]
         if refused:

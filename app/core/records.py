@@ -201,23 +201,6 @@ class PSSummary(Record):
     shards: list[dict]
 
 
-KINDS = (
-    Train,
-    Eval,
-    Membership,
-    Autoscale,
-    Balance,
-    Outlier,
-    NanRollback,
-    Checkpoint,
-    CheckpointFailed,
-    Rewind,
-    Warn,
-    FaultFired,
-    PSSummary,
-)
-
-
 def append_jsonl(path: Path, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")

@@ -1,6 +1,7 @@
-"""One worker's part of a PPO step (actors/worker.py `ppo_step`), read top to bottom: draw the step's prompts,
-sample a response to each with the policy, have the reward score them and the reference measure them, turn the
-rewards into advantages whitened over every worker's rollouts, then run the PPO updates, each through DDP.
+"""One worker's part of a PPO step (actor.py `ppo_step`, over the data-parallel engine), read top to bottom: draw
+the step's prompts, sample a response to each with the policy, have the reward score them and the reference measure
+them, turn the rewards into advantages whitened over every worker's rollouts, then run the PPO updates, each
+through DDP.
 
 Prompts depend on the run's seed and their index alone, and sampling on (seed, step, rank): a resumed run draws
 and samples what the run that went on did.
@@ -16,8 +17,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from actors.scorers import wait_for_scores
-from actors.step import StepReport
+from actors.protocol import StepReport, wait_for_scores
 from app.core.model import sample
 from app.core.ppo import (
     boosted,
@@ -62,31 +62,31 @@ def response_texts(responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
     return [decode(r[: int(m.sum())].tolist()) for r, m in zip(responses, mask)]
 
 
-def ppo_step(worker, indices, beta: float, lr_scale: float, scorers: tuple, seed: int) -> StepReport:
-    cfg, ppo = worker.cfg, worker.cfg.ppo
+def ppo_step(engine, task, indices, beta: float, lr_scale: float, scorers: tuple, seed: int) -> StepReport:
+    cfg, ppo = engine.cfg, engine.cfg.ppo
     started = time.perf_counter()
-    worker.model.eval()  # no dropout anywhere: the first update's ratio is 1 (up to the precision's rounding)
-    prompts = prompts_for(worker.task, cfg.train.seed, indices)
-    generator = torch.Generator(worker.device).manual_seed(seed)
-    sequences, responses, mask, texts = rollouts(worker, prompts, generator)
+    engine.model.eval()  # no dropout anywhere: the first update's ratio is 1 (up to the precision's rounding)
+    prompts = prompts_for(task, cfg.train.seed, indices)
+    generator = torch.Generator(engine.device).manual_seed(seed)
+    sequences, responses, mask, texts = rollouts(engine, prompts, generator)
     reference, rewarder = scorers
     asked = reference.logprobs.remote(sequences.cpu(), ppo.prompt_len), rewarder.score.remote(prompts, texts)
-    with torch.no_grad(), worker._autocast():
-        logits, values = worker.model(sequences, values=True)
+    with torch.no_grad(), engine.autocast():
+        logits, values = engine.model(sequences, values=True)
     old_logp = token_logprobs(logits[:, ppo.prompt_len - 1 : -1], responses)
     old_values = values[:, ppo.prompt_len - 1 : -1].float() * mask
-    scores = torch.tensor(wait_for_scores(rewarder, prompts, texts, cfg, asked[1]), device=worker.device)
-    ref_logp = ray.get(asked[0]).to(worker.device)
+    scores = torch.tensor(wait_for_scores(rewarder, prompts, texts, cfg, asked[1]), device=engine.device)
+    ref_logp = ray.get(asked[0]).to(engine.device)
     kl = ((old_logp - ref_logp) * mask).sum(1)  # per response, in nats
-    beta = boosted(beta, mean_over_workers(kl, worker.world), ppo.kl_target, ppo.kl_gain)
+    beta = boosted(beta, mean_over_workers(kl, engine.world), ppo.kl_target, ppo.kl_gain)
     rewards = token_rewards(scores, old_logp, ref_logp, mask, beta)
     advantages, returns = gae(rewards, old_values, mask, ppo.gamma, ppo.lam)
     sums = moments(advantages, mask)
-    if worker.world > 1:  # whitened over every worker's rollouts
+    if engine.world > 1:  # whitened over every worker's rollouts
         dist.all_reduce(sums)
     advantages = whiten(advantages, sums, mask)
     computing = time.perf_counter()
-    stats = update(worker, sequences, responses, mask, old_logp, old_values, advantages, returns, lr_scale, generator)
+    stats = update(engine, sequences, responses, mask, old_logp, old_values, advantages, returns, lr_scale, generator)
     n, share = len(indices), len(indices) / ppo.rollouts
     return StepReport(
         finite=math.isfinite(stats["grad_norm"]),
@@ -100,9 +100,9 @@ def ppo_step(worker, indices, beta: float, lr_scale: float, scorers: tuple, seed
         worker_s=time.perf_counter() - started,
         comm_bytes=0,
         dense_bytes=0,
-        optimizer_bytes=worker.optimizer_bytes(),
+        optimizer_bytes=engine.optimizer_bytes(),
         data=NO_DATA,
-        saving=worker._saving is not None and not worker._saving.done(),
+        saving=False,  # the actor's to say
         ppo={
             "reward": scores.sum().item(),
             "kl": kl.sum().item(),
@@ -121,13 +121,13 @@ def mean_over_workers(x: torch.Tensor, world: int) -> float:
     return (sums[0] / sums[1]).item()
 
 
-def rollouts(worker, prompts: list[str], generator: torch.Generator):
+def rollouts(engine, prompts: list[str], generator: torch.Generator):
     """(sequences (B, P + T), responses (B, T), their mask, their texts), sampled by the policy."""
-    ppo = worker.cfg.ppo
-    with worker._autocast():
+    ppo = engine.cfg.ppo
+    with engine.autocast():
         sequences = sample(
-            worker.model,
-            prompt_tokens(prompts, ppo.prompt_len).to(worker.device),
+            engine.model,
+            prompt_tokens(prompts, ppo.prompt_len).to(engine.device),
             ppo.response_len,
             ppo.temperature,
             generator,
@@ -137,17 +137,17 @@ def rollouts(worker, prompts: list[str], generator: torch.Generator):
     return sequences, responses, mask, response_texts(responses.cpu(), mask.cpu())
 
 
-def update(worker, sequences, responses, mask, old_logp, old_values, advantages, returns, lr_scale, generator) -> dict:
+def update(engine, sequences, responses, mask, old_logp, old_values, advantages, returns, lr_scale, generator) -> dict:
     """ppo.epochs passes of ppo.minibatches updates; every rank runs as many, so DDP's all-reduces pair up."""
-    cfg, ppo, p = worker.cfg, worker.cfg.ppo, worker.cfg.ppo.prompt_len
+    cfg, ppo, p = engine.cfg, engine.cfg.ppo, engine.cfg.ppo.prompt_len
     totals = dict.fromkeys(("loss", "policy_loss", "value_loss", "clip_fraction", "entropy", "lr"), 0.0)
     updates, grad_norm = ppo.epochs * ppo.minibatches, 0.0
     for _ in range(ppo.epochs):
-        order = torch.randperm(len(sequences), generator=generator, device=worker.device)
+        order = torch.randperm(len(sequences), generator=generator, device=engine.device)
         for part in order.tensor_split(ppo.minibatches):
-            worker.optimizer.zero_grad(set_to_none=True)
-            with worker._autocast():
-                logits, values = worker.ddp(sequences[part], values=True)
+            engine.optimizer.zero_grad(set_to_none=True)
+            with engine.autocast():
+                logits, values = engine.ddp(sequences[part], values=True)
             logits, values = logits[:, p - 1 : -1], values[:, p - 1 : -1].float()
             logp = token_logprobs(logits, responses[part])
             pg, clipped = policy_loss(logp, old_logp[part], advantages[part], mask[part], ppo.clip)
@@ -155,30 +155,30 @@ def update(worker, sequences, responses, mask, old_logp, old_values, advantages,
             loss = pg + ppo.value_coef * vf
             loss.backward()
             clip = cfg.optim.grad_clip or float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(worker.model.parameters(), clip).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(engine.model.parameters(), clip).item()
             if not math.isfinite(grad_norm):  # nobody steps: the coordinator goes back to the last checkpoint
                 return totals | {"grad_norm": grad_norm}
-            for group, lr in zip(worker.optimizer.param_groups, worker.scheduler.get_last_lr()):
+            for group, lr in zip(engine.optimizer.param_groups, engine.scheduler.get_last_lr()):
                 group["lr"] = lr * lr_scale
-            worker.optimizer.step()
-            totals["lr"] = worker.optimizer.param_groups[0]["lr"]  # the step's, before the schedule moves on
+            engine.optimizer.step()
+            totals["lr"] = engine.optimizer.param_groups[0]["lr"]  # the step's, before the schedule moves on
             with torch.no_grad():
                 ent = entropy(logits.detach(), mask[part]).item()
             for key, value in (("loss", loss), ("policy_loss", pg), ("value_loss", vf), ("clip_fraction", clipped)):
                 totals[key] += float(value.detach()) / updates
             totals["entropy"] += ent / updates
-    worker.scheduler.step()
+    engine.scheduler.step()
     return totals | {"grad_norm": grad_norm}
 
 
 @torch.no_grad()
-def evaluate(worker, indices, scorers: tuple) -> tuple[float, int]:
+def evaluate(engine, task, indices, scorers: tuple) -> tuple[float, int]:
     """Sum of the rewards of held-out prompts' responses (sampled at the rollout temperature), and their count."""
     if not len(indices):
         return 0.0, 0
-    worker.model.eval()
-    prompts = prompts_for(worker.task, worker.cfg.train.seed, indices, stream="eval")
-    generator = torch.Generator(worker.device).manual_seed(int(indices[0]))
-    _, _, _, texts = rollouts(worker, prompts, generator)
-    scores = wait_for_scores(scorers[1], prompts, texts, worker.cfg)
+    engine.model.eval()
+    prompts = prompts_for(task, engine.cfg.train.seed, indices, stream="eval")
+    generator = torch.Generator(engine.device).manual_seed(int(indices[0]))
+    _, _, _, texts = rollouts(engine, prompts, generator)
+    scores = wait_for_scores(scorers[1], prompts, texts, engine.cfg)
     return float(sum(scores)), len(scores)

@@ -1,0 +1,134 @@
+"""One rank's part of a model replica laid out over parallel.tp × parallel.pp ranks (app/core/parallel.py).
+
+The part is taken when the rank joins, at the (stage, shard) its rank gives, and only its state is kept when it
+leaves (the part is bound to the group's mesh): a re-formed group puts it at the same place, or it takes the
+state of its twin (the same place in another replica)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from actors.worker.engine import Engine, snapshot
+from actors.worker.injection import Injected
+from app.core.layout_state import (
+    as_optimizer_state,
+    by_name,
+    full_state,
+    load_full,
+    load_local,
+    local_state,
+    whole_groups,
+)
+from app.core.model import GPT
+from app.core.optim import make_optimizer, make_scheduler
+from app.core.parallel import Replica, ReplicaBroken, coords, make_mesh
+
+
+class LaidOut(Engine):
+    def __init__(self, cfg, device):
+        super().__init__(cfg, device)
+        self.replica: Replica | None = None  # in a group: this rank's part
+        self.held: dict | None = None  # out of a group: the part's state, as layout_state.local_state
+
+    def join(self, rank: int, world: int) -> int:
+        """Take this rank's part of the model: cut from the whole model this worker holds (a fresh one, or a
+        checkpoint's), or rebuilt around the part it held in the last group when its place is the same.
+        Elsewhere its state is of no use: -1, and the coordinator copies the twin's."""
+        self.rank, self.world = rank, world
+        par = self.cfg.parallel
+        mesh = make_mesh(world, par, self.device.type)
+        at = coords(rank, par)
+        if self.held is None:  # the whole model: its state goes with the cut
+            whole = {"model": self.model.state_dict(), "optim": self._by_name(self.optimizer.state_dict())}
+            self.replica = Replica(self.model, mesh, par, self.device)
+            self.set_optimizer(make_optimizer(self.replica.model, self.cfg.optim))
+            load_full(self.replica, self.optimizer, whole)
+        else:  # rebuilt: the part's structure from the whole model, its values from what it held
+            torch.manual_seed(self.cfg.train.seed)
+            self.replica = Replica(GPT(self.cfg.model).to(self.device), mesh, par, self.device)
+            self.optimizer = make_optimizer(self.replica.model, self.cfg.optim)
+            self.scheduler = make_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.steps)
+            self.scheduler.load_state_dict(self.held["scheduler"])
+            if tuple(self.held["at"]) == (at.stage, at.shard):
+                load_local(self.replica, self.optimizer, self.held)
+            else:
+                self.applied = -1
+        self.model, self.held = self.replica.model, None
+        return self.applied
+
+    def leave(self, failed: bool) -> None:
+        """Keep the part's state, not the part: its mesh goes with the group."""
+        if self.replica is not None:
+            self.held = local_state(self.replica, self.optimizer) | {"scheduler": self.scheduler.state_dict()}
+            # `held` has the part's values: the next group builds the part afresh
+            self.replica = self.model = self.optimizer = self.scheduler = None
+        if not failed:
+            self.rank, self.world = -1, 0
+
+    def forward_backward(self, rows: torch.Tensor, global_batch: int, injected: Injected) -> tuple[float, float]:
+        """This rank's part of the replica's step, then the gradients summed over the tied pair and the replicas
+        and clipped by the whole model's norm. The step's loss is given by rank 0 alone (every rank knows it)."""
+        if injected.slowdown > 1 or injected.poisoned:
+            raise ValueError("fault kinds slow, nan and spike are not injected into a laid-out replica")
+        try:
+            with self.autocast():
+                loss = self.replica.forward_backward(
+                    rows[:, :-1], rows[:, 1:], len(rows) / global_batch, self.cfg.train.micro_batch
+                )
+        except ReplicaBroken as e:
+            self._exit_if_others_go_on(e)
+            raise
+        grad_norm = self.replica.sync_and_clip(self.cfg.optim.grad_clip or float("inf"))
+        return (loss if self.rank == 0 else 0.0), grad_norm
+
+    def _exit_if_others_go_on(self, error: ReplicaBroken) -> None:
+        """A rank whose replica lost a rank in its forward or backward exits. Its replica is out of the group
+        anyway, and its state lives on in its twins; alive, it would hold the ranks of the other replicas in
+        their gradient all-reduce until timeouts.collective_s: once DTensor is loaded, destroying a gloo group
+        does not close its connections (measured on torch 2.13), and only the process's end does."""
+        if self.world > self.cfg.parallel.ranks:
+            print(f"rank {self.rank}: {error}; exiting, so that the other replicas go on at once", flush=True)
+            os._exit(1)
+
+    def evaluate(self, rows: torch.Tensor) -> tuple[float, int]:
+        """Every rank of the replica runs it; the replica's first rank answers."""
+        with self.autocast():
+            mean = self.replica.evaluate(rows[:, :-1], rows[:, 1:], self.cfg.train.micro_batch)
+        first = self.replica.at.stage == 0 and self.replica.at.shard == 0
+        return (mean * len(rows), len(rows)) if first else (0.0, 0)
+
+    def state(self) -> dict:
+        """This rank's part, for its twin."""
+        return local_state(self.replica, self.optimizer) | self.schedule_state()
+
+    def load(self, state: dict, step: int) -> None:
+        """A twin's part (a state with "at"), or a whole model's (a checkpoint's, from any layout): this rank's part."""
+        if "at" in state:
+            load_local(self.replica, self.optimizer, state)
+        else:
+            whole = {"model": state["model"], "optim": self._by_name(state["optimizer"])}
+            load_full(self.replica, self.optimizer, whole)
+        self.load_schedule(state, step)
+        self.applied = step
+
+    def checkpoint_parts(self, level: str) -> tuple[dict, dict | None]:
+        """The whole model's state gathered on rank 0 from the first replica's ranks, in the format every layout
+        and a plain run read (model.pt, optim.pt by the whole model's parameter order): a checkpoint resumes in
+        any layout. The other replicas hold the same state and take no part."""
+        if self.replica.at.replica != 0:
+            return {}, None
+        full = full_state(self.replica, self.optimizer)
+        if full is None:  # not the replica's first rank: its part is in `full` there
+            return {}, None
+        parts: dict = {}
+        if level == "full":
+            groups = whole_groups(self.cfg.model, self.cfg.optim)
+            parts["optim.pt"] = as_optimizer_state(full["optim"], self.optimizer.param_groups, groups)
+            parts["extra.pt"] = snapshot(self.schedule_state())
+        return parts, full["model"]
+
+    def _by_name(self, optimizer_state: dict) -> dict:
+        """A whole model's optimizer state by parameter name (layout_state's form)."""
+        return by_name(optimizer_state, whole_groups(self.cfg.model, self.cfg.optim))
