@@ -41,7 +41,7 @@ class Observation:
     max_recoveries: int = 3
     evaluation_due: bool = False
     checkpoint_due: bool = False
-    evict: int = 0  # members on nodes being drained (a preemption notice): they leave at this boundary
+    draining: int = 0  # members on draining nodes (preempted, or at risk): they leave at this boundary
 
 
 def next_state(state: State, obs: Observation) -> State:
@@ -55,7 +55,7 @@ def next_state(state: State, obs: Observation) -> State:
         return State.CHECKPOINTING
     if obs.step >= obs.total_steps:
         return State.FINISHED
-    if obs.target != obs.world or obs.evict:
+    if obs.target != obs.world or obs.draining:
         return State.RESIZING
     return State.RUNNING
 

@@ -4,18 +4,18 @@ It runs as a Ray actor pinned to the driver's node (the run directory lives ther
 `etrain:RUN` so `etrain scale`, `etrain status` and notebooks can reach it. Each concern is
 a module of its own, and this loop only sequences them:
 
-    actors/step.py        one step as a transaction (and an evaluation)
-    actors/ppo_step.py    a PPO step instead (actors/worker/rollout.py on the workers, actors/scorers.py beside them)
-    actors/membership.py  the group, the warm pool, resizes and recoveries
-    actors/saving.py      checkpoints, and where a resume or a rollback lands
-    actors/data_plane.py  layout, node caches, data cost, quarantine
-    actors/runlog.py      records, dashboard, status.json, summary
-    actors/guards.py      outlier and NaN guards
-    actors/faults.py      failure injection
-    actors/health.py      each node's failure risk, and drains before a failure
-    actors/ps_mode.py     parameter-server mode, driven instead of the loop
+    actors/step.py          one step as a transaction (and an evaluation)
+    actors/ppo_step.py      a PPO step instead (actors/worker/rollout.py on the workers, actors/scorers.py beside)
+    actors/membership.py    the group, the warm pool, resizes and recoveries
+    actors/saving.py        checkpoints, and where a resume or a rollback lands
+    actors/data_plane.py    layout, node caches, data cost, quarantine
+    actors/runlog.py        records, dashboard, summary (actors/status_file.py: status.json)
+    actors/guards.py        outlier and NaN guards
+    actors/faults.py        failure injection
+    actors/health_watch.py  each node's failure risk, and drains before a failure
+    actors/ps_mode.py       parameter-server mode: the one exception to the state machine (see `_train_ps`)
 
-Every handler returns the members it lost (a Loss), if any: the next decision is then a recovery.
+Every handler returns the members it lost (a Lost), if any: the next decision is then a recovery.
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ from actors.data_plane import DataPlane
 from actors.faults import FaultPlan
 from actors.gather import WorkersLost
 from actors.guards import Guards
-from actors.health import HealthWatch
-from actors.membership import Loss, Team, whole_replicas
+from actors.health_watch import HealthWatch
+from actors.membership import Lost, Team, whole_replicas
 from actors.ppo_step import PPOStepper
 from actors.ps_mode import PSTraining
 from actors.runlog import RunLog
 from actors.saving import RewindPoint, Saver
+from actors.status_file import StatusFile
 from actors.step import Position, Stepper, evaluate
 from app.core.checkpoint import checkpoint_uri
 from app.core.config import Config
@@ -53,7 +54,9 @@ class Coordinator:
         self.run_dir = Path(run_dir)
         self.hint = f"resume with `etrain train --resume {self.run_dir}`"
         self.at = Position()
-        self.log = RunLog(self.run_dir, cfg, started_at, lease, self.status)
+        self.phase, self.failure = State.STARTING, None  # the state machine's state; why the job failed, once it has
+        self.log = RunLog(self.run_dir, cfg, started_at, lease)
+        self.status_file = StatusFile(self.run_dir, self.status, self.log)
         self.data = DataPlane(cfg, manifest, self.run_dir)
         self.balancer = Balancer(cfg.balance)
         self.team = Team(cfg, manifest, workers, self.data, self.balancer, self.log, self.hint)
@@ -64,12 +67,12 @@ class Coordinator:
         parts = (cfg, self.team, self.data, self.balancer, self.guards, self.faults, self.saver, self.log)
         self.scorers = scorers.start(cfg) if cfg.ppo.reward else None  # PPO: the reference model, the reward
         self.stepper = PPOStepper(*parts, scorers=self.scorers) if self.scorers else Stepper(*parts)
-        self.loss: Loss | None = None  # members lost: the next decision is a recovery
+        self.lost: Lost | None = None  # members lost: the next decision is a recovery
         self.saved_step = self.evaluated_step = 0
 
     def run(self, resume: bool) -> dict:
         try:
-            self.log.start()
+            self.status_file.start()
             self.data.open()
             if self.cfg.comm.mode == "ps":
                 self._train_ps(resume)
@@ -83,18 +86,18 @@ class Coordinator:
                     State.RECOVERING: self._recover,
                 }
                 while (state := self._decide()) not in (State.FINISHED, State.FAILED):
-                    self.loss = handlers[state]()
+                    self.lost = handlers[state]()
             self.saver.finish()
-            if self.log.phase == State.FAILED:
+            if self.phase == State.FAILED:
                 raise JobError(
                     f"lost workers more than cluster.max_recoveries={self.team.recoveries} times; {self.hint}"
                 )
             return self.log.summary()
         except Exception as e:
-            self.log.phase, self.log.failure = State.FAILED, str(e) if isinstance(e, JobError) else why(e)
+            self.phase, self.failure = State.FAILED, str(e) if isinstance(e, JobError) else why(e)
             raise
         finally:
-            self.log.write_status()
+            self.status_file.write()
             self._stop()
 
     def _start(self, resume: bool) -> None:
@@ -115,12 +118,11 @@ class Coordinator:
         if self.scorers and self.at.step == 0 and not self.log.recorded("eval", 0):
             self.evaluated_step = -1  # PPO: the base policy's reward first (once), to measure the rise against
         if (self.cfg.comm.zero or self.scorers or self.team.ranks > 1) and self.saver.latest(self.cfg.hash()) is None:
-            self.loss = self._checkpoint()  # something to go back to when a worker is lost (see _needs_rollback)
+            self.lost = self._checkpoint()  # something to go back to when a worker is lost (see _needs_rollback)
         self.team.refill()
 
     def _decide(self) -> State:
-        self.team.drained = frozenset(self.health.watch(self.at.step))
-        self.team.pool.avoid = set(self.health.avoid)
+        self.team.mark_nodes(self.health.watch(self.at.step), set(self.health.kept_off), self.health.replacements)
         self.team.watch(self.at)
         step, c = self.at.step, self.cfg
         obs = Observation(
@@ -128,41 +130,41 @@ class Coordinator:
             total_steps=c.train.steps,
             world=len(self.team.workers),
             target=self.team.target(),
-            lost=len(self.loss.lost) if self.loss else 0,
+            lost=len(self.lost.members) if self.lost else 0,
             recoveries=self.team.recoveries,
             max_recoveries=c.cluster.max_recoveries,
             evaluation_due=due(step, c.train.eval_every, c.train.steps) and self.evaluated_step != step,
             checkpoint_due=self.saver.level(step) is not None and self.saved_step != step,
-            evict=self.team.evicting(),
+            draining=self.team.draining_members(),
         )
-        self.log.phase = next_state(self.log.phase, obs)
-        return self.log.phase
+        self.phase = next_state(self.phase, obs)
+        return self.phase
 
     # -- the handlers: each returns the members it lost, if any -------------------------
 
-    def _step(self) -> Loss | None:
+    def _step(self) -> Lost | None:
         outcome = self.stepper.run(self.at)
         if outcome.diverged:
             return self._roll_back_nan()
         if outcome.lost:
-            return Loss(outcome.lost, outcome.since)
+            return Lost(outcome.lost, outcome.since)
         self.health.stepped(self.at.step, self.log.latest["train"].get("speeds"))
         self.team.prepare_pool(self.at)
         return None
 
-    def _evaluate(self) -> Loss | None:
+    def _evaluate(self) -> Lost | None:
         self.evaluated_step = self.at.step
         try:
             faults = self.faults.due(self.at.step, during="eval")
             loss = evaluate(self.team, self.data.eval_ids, self.cfg.timeouts.step_s, {} if self.scorers else faults)
             reward = self.stepper.reward(self.cfg.timeouts.step_s, faults) if self.scorers else None
         except WorkersLost as gone:  # this evaluation is lost with them; the next comes after recovery
-            return Loss(gone.lost, gone.since)
+            return Lost(gone.lost, gone.since)
         if loss is not None:
             self.log.record(Eval(self.at.step, loss, reward))
         return None
 
-    def _checkpoint(self) -> Loss | None:
+    def _checkpoint(self) -> Lost | None:
         meta = {
             "cursor": self.at.cursor,
             "config_hash": self.cfg.hash(),
@@ -175,19 +177,19 @@ class Coordinator:
         try:
             self.saver.begin(self.at.step, self.team.workers, self._sharded(), meta)
         except WorkersLost as gone:  # saved again once the group has recovered
-            return Loss(gone.lost, gone.since)
+            return Lost(gone.lost, gone.since)
         self.saved_step = self.at.step
         return None
 
-    def _resize(self) -> Loss | None:
+    def _resize(self) -> Lost | None:
         self.saver.finish()  # writers may be leaving
         try:
             whole = self.team.consolidate() if self._sharded() else None  # before anyone leaves: every shard is needed
         except WorkersLost as gone:  # a member is gone: recovery goes back to the last checkpoint
-            return Loss(gone.lost, gone.since)
+            return Lost(gone.lost, gone.since)
         return self.team.resize(self.at, whole)
 
-    def _recover(self) -> Loss | None:
+    def _recover(self) -> Lost | None:
         """With ZeRO-1 the lost workers took their optimizer shards along, in a PPO step the survivors may have
         made some of its updates, and with a layout whose every replica lost a rank no live twin holds the lost
         ranks' parts: everyone goes back to the last checkpoint."""
@@ -197,7 +199,7 @@ class Coordinator:
             point = self.saver.rollback_point(self.cfg.hash(), why, self.hint)
             self._rewind(point, "rollback")
             whole = ray.put(point.ckpt.parts)
-        return self.team.recover(self.loss, self.at, whole)
+        return self.team.recover(self.lost, self.at, whole)
 
     def _needs_rollback(self) -> str | None:
         """Why the lost members' state can only come from the last checkpoint, if it can only come from there."""
@@ -205,11 +207,11 @@ class Coordinator:
             return "a worker lost in a PPO step"
         if self._sharded():
             return "a worker lost with its ZeRO-1 optimizer shard"
-        if not whole_replicas(self.team.workers, self.loss.lost, self.team.ranks)[0]:
+        if not whole_replicas(self.team.workers, self.lost.members, self.team.ranks)[0]:
             return "every worker lost, or a rank of every replica (no live worker holds the state)"
         return None
 
-    def _roll_back_nan(self) -> Loss | None:
+    def _roll_back_nan(self) -> Lost | None:
         """A non-finite gradient (nobody stepped): back to the last checkpoint with the lr halved."""
         failed = self.at.step + 1
         self.guards.diverged(failed, self.hint, *[self.stepper.suspects] if self.scorers else [])
@@ -260,7 +262,10 @@ class Coordinator:
         return self.cfg.comm.zero and len(self.team.workers) > 1
 
     def _train_ps(self, resume: bool) -> None:
-        """Parameter-server mode (actors/ps_mode.py): no process group, no step barrier."""
+        """Parameter-server mode (actors/ps_mode.py), the one run that does not go through the state machine: with no
+        process group and no step barrier there is no step boundary to decide at. Workers push as they finish, the
+        shards count steps, evaluations and checkpoints come at those counts, and a lost worker ends the job (it
+        cannot recover, or be resized). The phase goes from RUNNING to FINISHED."""
         try:
             self.team.start_ps(self.at)
         except WorkersLost as gone:
@@ -268,7 +273,7 @@ class Coordinator:
         point = self.saver.resume_point(self.cfg.hash()) if resume else None
         if point is not None:
             self._rewind(point, "resume")
-        self.log.phase = State.RUNNING
+        self.phase = State.RUNNING
         ps = PSTraining(
             self.cfg,
             self.team,
@@ -285,7 +290,7 @@ class Coordinator:
             ps.run()
         finally:
             ps.close()
-        self.log.phase = State.FINISHED
+        self.phase = State.FINISHED
 
     def _ps_evaluate(self) -> None:
         if due(self.at.step, self.cfg.train.eval_every, self.cfg.train.steps) and self._evaluate() is not None:
@@ -301,6 +306,7 @@ class Coordinator:
 
     def _stop(self) -> None:
         self.health.close()
+        self.status_file.close()
         self.log.close()
         self.saver.close()
         self.team.stop()
@@ -312,7 +318,7 @@ class Coordinator:
 
     def poll(self) -> tuple[str, list[dict]]:
         """The phase and the records written since the last poll."""
-        return self.log.poll()
+        return self.phase.value, self.log.poll()
 
     def status(self) -> dict:
         """Where the run stands (`etrain status`, the Python API, status.json)."""
@@ -322,8 +328,8 @@ class Coordinator:
             "run": self.run_dir.name,
             "run_dir": str(self.run_dir),
             "coordinator_pid": os.getpid(),
-            "phase": self.log.phase.value,
-            "failure": self.log.failure,
+            "phase": self.phase.value,
+            "failure": self.failure,
             "step": self.at.step,
             "total_steps": self.cfg.train.steps,
             "eta_s": self.log.eta(self.cfg.train.steps - self.at.step),
@@ -338,10 +344,10 @@ class Coordinator:
             "wanted": team.wanted,
             "autoscaling": team.autoscaling,
             "warm_pool_ready": team.pool.ready(),
-            "warm_pool_size": len(team.pool.idle),
+            "warm_pool_starting": len(team.pool.idle) - team.pool.ready(),
             "recoveries": team.recoveries,
             "generation": team.generation,
-            "draining_nodes": sorted(team.draining | team.drained),
+            "draining_nodes": sorted(team.draining),
             "health": self.health.status(),
             "balanced": self.balancer.balanced,
             "comm": self.cfg.comm.mode,
@@ -351,7 +357,7 @@ class Coordinator:
     def _layout(self) -> dict:
         """How each replica is laid out, and how many there are (members name each rank's replica, stage, shard)."""
         par = self.cfg.parallel
-        return par.model_dump() | {"ranks": par.ranks, "replicas": len(self.team.workers) // par.ranks}
+        return par.model_dump() | {"ranks": par.ranks, "replicas": par.replicas(len(self.team.workers))}
 
     def request_scale(self, workers: int | None = None, replicas: int | None = None) -> None:
         """Ask for `workers` members, or `replicas` replicas of tp × pp members; they join at step boundaries as
@@ -363,16 +369,11 @@ class Coordinator:
             workers = replicas * par.ranks
         if workers is None or workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
-        if workers % par.ranks:
+        if par.ranks > 1 and (why := par.misfit(workers, self.cfg.train.global_batch, f"workers={workers}")):
             raise ValueError(
-                f"workers={workers} is not a whole number of replicas of parallel.tp × parallel.pp = {par.ranks} "
-                f"ranks: ask for --replicas {max(1, workers // par.ranks)}, or --workers in multiples of {par.ranks}"
-            )
-        per = par.microbatches if par.pp > 1 else 1
-        if par.ranks > 1 and self.cfg.train.global_batch < workers // par.ranks * per:
-            raise ValueError(
-                f"{workers // par.ranks} replicas need {workers // par.ranks} × {per} micro-batch(es) of samples, "
-                f"more than train.global_batch={self.cfg.train.global_batch}"
+                f"{why}; ask for --replicas {max(1, par.replicas(workers))}, or --workers in multiples of {par.ranks}"
+                if workers % par.ranks
+                else why
             )
         if self.cfg.comm.mode == "ps":
             raise ValueError("a parameter-server run (comm.mode=ps) keeps its workers: it cannot be resized")

@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
+from app.core.config import ParallelConfig
 from app.core.records import STEP_PARTS
 
 
@@ -26,8 +27,8 @@ def run_tag(run: str) -> str:
 
 
 class Dashboard:
-    def __init__(self, run: str, ranks: int = 1):
-        self.tags, self.ranks = {"run": run_tag(run)}, ranks  # ranks: workers per model replica
+    def __init__(self, run: str, parallel: ParallelConfig | None = None):
+        self.tags, self.parallel = {"run": run_tag(run)}, parallel or ParallelConfig()  # how a replica is laid out
         keys = ("run",)
         self.gauges = {
             name: Gauge(f"etrain_{name}", text, tag_keys=keys)
@@ -40,7 +41,7 @@ class Dashboard:
                 "grad_norm": "gradient norm of the last step (before clipping)",
                 "world_size": "workers in the process group",
                 "replicas": "model replicas in the process group: workers / (parallel.tp * parallel.pp)",
-                "warm_pool_size": "warm workers ready to join",
+                "warm_pool_ready": "warm-pool workers ready to join",
                 "cache_hit_rate": "share of the shard requests served from the node caches, since the run started",
                 "checkpoint_stall_seconds": "how long the last save held up training",
                 "checkpoint_step": "step of the last committed checkpoint",
@@ -72,7 +73,7 @@ class Dashboard:
         )
         self.risk = Gauge(
             "etrain_node_risk",
-            "each node's failure risk, 0 to 1 (actors/health.py); at health.drain_at it is drained",
+            "each node's failure risk, 0 to 1 (actors/health_watch.py); at health.drain_at it is drained",
             tag_keys=("run", "node"),
         )
         self.held: dict = {}  # (gauge name, extra tag) -> (gauge, value, tags): what each step sets again
@@ -88,7 +89,7 @@ class Dashboard:
         self._set("risk", score, self.risk, node=node)
 
     def pool(self, ready: int) -> None:
-        self._set("warm_pool_size", ready)
+        self._set("warm_pool_ready", ready)
 
     def publish(self, record: dict) -> None:
         kind = record["kind"]
@@ -100,7 +101,7 @@ class Dashboard:
             self.scale_events.inc(1, tags={**self.tags, "reason": record["reason"]})
             self._set("scale_latency", record["total_s"], self.scale_latency, reason=record["reason"])
             self._set("world_size", record["world_after"])
-            self._set("replicas", record["world_after"] // self.ranks)
+            self._set("replicas", self.parallel.replicas(record["world_after"]))
         elif kind == "checkpoint":
             self._set("checkpoint_step", record["step"])
             self._set("checkpoint_stall_seconds", record.get("stall_s"))
@@ -115,7 +116,7 @@ class Dashboard:
             ("world_size", "world_size"),
         ):
             self._set(gauge, r.get(field))
-        self._set("replicas", r["world_size"] // self.ranks)
+        self._set("replicas", self.parallel.replicas(r["world_size"]))
         if r.get("grad_norm") is not None and r["grad_norm"] == r["grad_norm"]:  # NaN has no bucket
             self.grad_norms.observe(r["grad_norm"], tags=self.tags)
             self.grad_norm_total.inc(r["grad_norm"], tags=self.tags)

@@ -105,7 +105,7 @@ class DataPlane:
                 sources[k]["documents"] = names
         append_jsonl(
             self.run_dir / "quarantine.jsonl",
-            {"step": step, "grad_norm": grad_norm, "limit": limit, "samples": sources},
+            {"step": step, "grad_norm": grad_norm, "limit": limit, "sources": sources},
         )
 
     def close(self, wait_s: float) -> None:

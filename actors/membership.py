@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import ray
 
@@ -31,16 +31,16 @@ from app.core.errors import why
 from app.core.flops import flops_per_token, mfu
 from app.core.records import Autoscale, Membership, Warn
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 WATCH_S = 1.0  # how often the cluster is looked at: preemption notices, new nodes, room to grow
 
 
 @dataclass(frozen=True)
-class Loss:
+class Lost:
     """Members lost between or during steps: a recovery comes next. `since` starts its "detect" phase."""
 
-    lost: list
+    members: list
     since: float
 
 
@@ -48,25 +48,25 @@ class Loss:
 class ResizePlan:
     keep: list  # members that stay, in rank order
     leaving: list  # members going back to the pool
-    evicted: list  # members on nodes being drained: stopped, no clean exit
+    drained: list  # members on draining nodes: stopped, no clean exit
     joining: int  # ready pool workers to take
     reason: str
 
 
 def plan_resize(
-    workers: list, nodes: dict, draining: set, target: int, ranks: int = 1, drained: frozenset = frozenset()
+    workers: list, nodes: dict, preempted: set, target: int, ranks: int = 1, at_risk: frozenset = frozenset()
 ) -> ResizePlan:
-    """Members on draining nodes leave (a preemption; a drain when `drained`, the nodes at risk, hold them all), and
-    with them the rest of their replicas (`ranks` members each); then the group shrinks to, or grows towards,
-    `target` (a whole number of replicas), whole replicas leaving from the end."""
-    evicted = [w for w in workers if nodes.get(w) in draining | drained]
-    intact, broken = whole_replicas(workers, evicted, ranks)
-    keep, leaving = intact[:target], [w for w in broken if w not in evicted] + intact[target:]
-    if evicted:
-        reason = "drain" if all(nodes.get(w) in drained - draining for w in evicted) else "preemption"
+    """Members on draining nodes leave (a preemption; a drain when the nodes `at_risk` hold them all), and with them
+    the rest of their replicas (`ranks` members each); then the group shrinks to, or grows towards, `target` (a
+    whole number of replicas), whole replicas leaving from the end."""
+    drained = [w for w in workers if nodes.get(w) in preempted | at_risk]
+    intact, broken = whole_replicas(workers, drained, ranks)
+    keep, leaving = intact[:target], [w for w in broken if w not in drained] + intact[target:]
+    if drained:
+        reason = "drain" if all(nodes.get(w) in at_risk - preempted for w in drained) else "preemption"
     else:
         reason = "scale-in" if target < len(workers) else "scale-out"
-    return ResizePlan(keep, leaving, evicted, target - len(keep), reason)
+    return ResizePlan(keep, leaving, drained, target - len(keep), reason)
 
 
 def whole_replicas(workers: list, lost: list, ranks: int) -> tuple[list, list]:
@@ -82,8 +82,8 @@ def twin(rank: int, applied: list[int], step: int, ranks: int) -> int | None:
 
 
 class Team:
-    def __init__(self, cfg: Config, manifest: str, workers: list, data, balancer, log_, resume_hint: str):
-        self.cfg, self.data, self.balancer, self.log, self.resume_hint = cfg, data, balancer, log_, resume_hint
+    def __init__(self, cfg: Config, manifest: str, workers: list, data, balancer, log, resume_hint: str):
+        self.cfg, self.data, self.balancer, self.log, self.resume_hint = cfg, data, balancer, log, resume_hint
         self.workers = workers
         self.ranks = cfg.parallel.ranks  # members per replica, the unit of membership
         self.wanted = len(workers)  # asked for by `etrain scale` or the autoscaling policy
@@ -93,9 +93,9 @@ class Team:
         self.pids: dict = {}  # worker -> process id, for members (status shows where each rank runs)
         self.peaks: dict = {}  # worker -> peak FLOP/s of its device, None on CPU (MFU's denominator)
         self.flops_per_token = 0.0
-        self.draining: set[str] = set()  # nodes with a preemption notice
-        self.drained: frozenset[str] = frozenset()  # nodes at risk whose members leave now (actors/health.py)
-        self.extra_pool = 0  # pool workers wanted beyond cluster.warm_pool: replacements for a node to drain
+        self.preempted: set[str] = set()  # nodes with a preemption notice (Ray's draining nodes)
+        self.at_risk: frozenset[str] = frozenset()  # nodes at risk whose members leave now (actors/health_watch.py)
+        self.replacements = 0  # pool workers wanted beyond cluster.warm_pool: replacements for a node at risk
         self.generation = 0
         self.recoveries = 0
         self._pending: tuple[Membership, float] | None = None  # a change waiting for its first step
@@ -126,10 +126,10 @@ class Team:
         if time.monotonic() < self._next_watch:
             return
         self._next_watch = time.monotonic() + WATCH_S
-        self.draining = draining_nodes()
-        avoided = self.draining | self.pool.avoid
-        self.pool.drop([w for w in self.pool.idle if self.nodes.get(w) in avoided])
-        self.data.start_caches(worker_nodes(self.cfg.cluster) - avoided, at.cursor)
+        self.preempted = preempted_nodes()
+        kept_off = self.preempted | self.pool.kept_off
+        self.pool.drop([w for w in self.pool.idle if self.nodes.get(w) in kept_off])
+        self.data.start_caches(worker_nodes(self.cfg.cluster) - kept_off, at.cursor)
         self.pool.restart_kept_off()
         if self._pending is None:  # not while a change waits for its first step: a starting worker would slow it
             self.refill()
@@ -158,18 +158,28 @@ class Team:
         # Room is counted once the pool's starting workers have started: Ray's view of free resources lags
         # their placement, and a second cold start beside one still going slows both.
         free = self._free_slots() if self.autoscaling and not self.pool.warming else 0
-        warm_pool = self.cfg.cluster.warm_pool + self.extra_pool
+        warm_pool = self.cfg.cluster.warm_pool + self.replacements
         return pool_size(len(self.workers), self.wanted, free, len(self.pool.idle), warm_pool, max_workers)
 
     def refill(self) -> None:
         """The pool back to its size; the autoscaler asked for room."""
         self.pool.refill(self.pool_size())
         members = self.cfg.cluster.max_workers if self.autoscaling else max(self.wanted, len(self.workers))
-        self.pool.reserve(members + self.extra_pool)
+        self.pool.reserve(members + self.replacements)
 
-    def ready_elsewhere(self, avoid: set) -> int:
-        """Ready pool workers on nodes outside `avoid`: the replacements a drain can take."""
-        return sum(self.nodes.get(w) not in avoid for w in self.pool.ready_workers())
+    def ready_elsewhere(self, kept_off: set) -> int:
+        """Ready pool workers on nodes outside `kept_off`: the replacements a drain can take."""
+        return sum(self.nodes.get(w) not in kept_off for w in self.pool.ready_workers())
+
+    def mark_nodes(self, at_risk: set[str], kept_off: set[str], replacements: int) -> None:
+        """The health watch's decisions at this boundary: the nodes whose members leave now, the nodes no new
+        worker goes to, and the replacements the pool brings for a node waiting to be drained."""
+        self.at_risk, self.pool.kept_off, self.replacements = frozenset(at_risk), set(kept_off), replacements
+
+    @property
+    def draining(self) -> set[str]:
+        """Nodes whose members leave at the next step boundary: preempted, or at risk."""
+        return self.preempted | self.at_risk
 
     def prepare_pool(self, at: Position) -> None:
         """Attach pool workers that finished warming up to their node's cache while they wait. The attach is
@@ -180,10 +190,10 @@ class Team:
                 self.nodes[worker] = node = ray.get(worker.info.remote(), timeout=self.cfg.timeouts.ping_s)["node"]
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
                 # died starting: the next refill replaces it
-                log.warning("a warm-pool worker did not start: %s", why(e))
+                logger.warning("a warm-pool worker did not start: %s", why(e))
                 self.pool.drop([worker])
                 continue
-            if node in self.draining | self.pool.avoid:  # a preemption notice, or at risk: no use waiting there
+            if node in self.preempted | self.pool.kept_off:  # a preemption notice, or at risk: no use waiting there
                 self.pool.drop([worker])
                 continue
             self.pool.preparing[worker] = attach = self.data.attach([worker], [node], at.cursor, read=True)[0]
@@ -207,9 +217,9 @@ class Team:
         """Down to a whole number of replicas."""
         return workers - workers % self.ranks
 
-    def evicting(self) -> int:
-        """Members on nodes being drained: they leave at the next step boundary."""
-        return sum(self.nodes.get(w) in self.draining | self.drained for w in self.workers)
+    def draining_members(self) -> int:
+        """Members on draining nodes: they leave at the next step boundary."""
+        return sum(self.nodes.get(w) in self.draining for w in self.workers)
 
     def request(self, workers: int) -> None:
         """`etrain scale`: a manual request pins the size, and the autoscaling policy stops for this run."""
@@ -217,16 +227,16 @@ class Team:
 
     # -- changes ------------------------------------------------------------------
 
-    def resize(self, at: Position, whole=None) -> Loss | None:
+    def resize(self, at: Position, whole=None) -> Lost | None:
         """Members on draining nodes leave (preemption); then shrink to, or grow towards, the target.
         `whole`: a ZeRO-1 state gathered before anyone leaves, which every member then loads."""
         started = time.perf_counter()
-        avoided = self.draining | self.drained | self.pool.avoid
-        self.pool.drop([w for w in self.pool.idle if self.nodes.get(w) in avoided])  # no joiner from there
-        plan = plan_resize(self.workers, self.nodes, self.draining, self.target(), self.ranks, self.drained)
-        self.retire(plan.evicted)  # its node is going away: no clean exit needed, and it may be gone already
+        kept_off = self.draining | self.pool.kept_off
+        self.pool.drop([w for w in self.pool.idle if self.nodes.get(w) in kept_off])  # no joiner from there
+        plan = plan_resize(self.workers, self.nodes, self.preempted, self.target(), self.ranks, self.at_risk)
+        self.retire(plan.drained)  # its node is going away: no clean exit needed, and it may be gone already
         self._give_back(plan.leaving, plan.joining)
-        return self.change(plan.keep, plan.joining, plan.reason, at, started, lost=len(plan.evicted), whole=whole)
+        return self.change(plan.keep, plan.joining, plan.reason, at, started, lost=len(plan.drained), whole=whole)
 
     def _give_back(self, leaving: list, joining: int) -> None:
         """Leavers out of the group and into the pool, which keeps its size plus the `joining` the change takes."""
@@ -236,30 +246,30 @@ class Team:
             leaving = [w for w in leaving if w not in gone.lost]
         self.pool.give_back(leaving, keep=max(self.pool_size(), self.cfg.cluster.warm_pool + joining))
 
-    def recover(self, loss: Loss, at: Position, whole=None) -> Loss | None:
+    def recover(self, lost: Lost, at: Position, whole=None) -> Lost | None:
         """Survivors plus ready pool workers redo the step; fewer if the pool is short (more join when ready).
         With a layout the survivors are the replicas that lost no rank; the live ranks of the others go back to the
         pool."""
-        survivors, broken = whole_replicas(self.workers, loss.lost, self.ranks)
-        if mates := [w for w in broken if w not in loss.lost]:
+        survivors, broken = whole_replicas(self.workers, lost.members, self.ranks)
+        if mates := [w for w in broken if w not in lost.members]:
             self._give_back(mates, self.wanted - len(survivors))
         if not survivors:  # the group starts over from the pool (with `whole`, a checkpoint): a replica's worth
             self.await_ready(self.ranks, at)
         self.recoveries += 1
         return self.change(
-            survivors, self.wanted - len(survivors), "recover", at, loss.since, lost=len(loss.lost), whole=whole
+            survivors, self.wanted - len(survivors), "recover", at, lost.since, lost=len(lost.members), whole=whole
         )
 
     def change(
         self, members: list, joining: int, reason: str, at: Position, started: float, lost: int = 0, whole=None
-    ) -> Loss | None:
+    ) -> Lost | None:
         """Re-form the group as `members` plus up to `joining` ready pool workers; each phase timed."""
         phases = {"detect": time.perf_counter() - started}
         t = time.perf_counter()
         joiners = self._placed(self.pool.take(self._whole(min(joining, self.pool.ready())))) if joining > 0 else []
         phases["acquire"] = time.perf_counter() - t
         self._close(stepped=False)
-        leaving = sorted(self.draining | self.drained)
+        leaving = sorted(self.draining)
         event = Membership(at.step, reason, len(self.workers), len(members) + len(joiners), lost, len(joiners),
                            [self.nodes.get(w) for w in joiners], leaving, phases)  # fmt: skip
         if not members + joiners:
@@ -274,8 +284,8 @@ class Team:
             self.form(members + joiners, at, reason, phases, whole)
         except WorkersLost as gone:  # the next decision is a recovery, with the members still alive
             self.workers = members + joiners  # the lost in place: the recovery tells whole replicas by position
-            log.warning("%d worker(s) lost during a %s at step %d; recovering", len(gone.lost), reason, at.step)
-            return Loss(gone.lost, time.perf_counter())
+            logger.warning("%d worker(s) lost during a %s at step %d; recovering", len(gone.lost), reason, at.step)
+            return Lost(gone.lost, time.perf_counter())
         self._pending = (event, started)  # the pool refills after its first step
         return None
 
@@ -391,7 +401,7 @@ class Team:
         par = self.cfg.parallel
         return [
             {"rank": r, "node": self.nodes[w], "pid": self.pids[w], "speed": self.balancer.speeds.get(w)}
-            | ({"replica": r // par.ranks, "stage": r // par.tp % par.pp, "shard": r % par.tp} if par.ranks > 1 else {})
+            | (asdict(par.place(r)) if par.ranks > 1 else {})
             for r, w in enumerate(self.workers)
             if w in self.pids
         ]
@@ -410,7 +420,7 @@ def worker_nodes(c) -> set[str]:
     return {n["NodeID"] for n in fits if not c.gpus_per_worker or n["Resources"].get("GPU", 0) >= c.gpus_per_worker}
 
 
-def draining_nodes() -> set[str]:
+def preempted_nodes() -> set[str]:
     """Nodes with a drain request: a preemption notice (autoscaler v2, KubeRay, `ray drain-node`)
     or an idle termination. Ray exposes it only internally (Ray Serve reads it the same way)."""
     return set(ray._private.state.state.get_draining_nodes())

@@ -24,8 +24,8 @@ class WarmPool:
         self.warming: dict = {}  # worker -> its warm_up call, until the coordinator prepares it
         self.preparing: dict = {}  # worker -> its cache attach (the coordinator's), done = ready to join
         self._reserved: int | None = None
-        self.avoid: set[str] = set()  # nodes new pool workers must not start on (at risk, or cooling down)
-        self.kept_off: dict = {}  # worker -> the nodes it was kept off when it was started
+        self.kept_off: set[str] = set()  # nodes new pool workers must not start on (at risk, or cooling down)
+        self.kept_off_at_start: dict = {}  # worker -> the nodes it was kept off when it was started
 
     def refill(self, size: int) -> None:
         """Top up to `size` workers (control.pool_size) without waiting for the new actors to start.
@@ -36,8 +36,8 @@ class WarmPool:
                 spawn,  # torch, lazily: the driver imports this module and loads torch in a thread while Ray starts
             )
 
-            fresh = spawn(self.cfg, self.manifest, missing, self.avoid)
-            self.kept_off |= {w: frozenset(self.avoid) for w in fresh}
+            fresh = spawn(self.cfg, self.manifest, missing, self.kept_off)
+            self.kept_off_at_start |= {w: frozenset(self.kept_off) for w in fresh}
             self.warming |= {w: w.warm_up.remote() for w in fresh}  # queued first: "up" then means warmed up
             self.idle += fresh
 
@@ -54,7 +54,7 @@ class WarmPool:
     def restart_kept_off(self) -> None:
         """Workers still starting that were kept off a node that is allowed again (its cool-down is over) may be
         waiting for room only that node has: they are stopped, and the next refill starts them without it."""
-        self.drop([w for w in self.warming if self.kept_off.get(w, frozenset()) - self.avoid])
+        self.drop([w for w in self.warming if self.kept_off_at_start.get(w, frozenset()) - self.kept_off])
 
     def take(self, count: int) -> list:
         """Up to `count` ready workers. Never one still starting: it may wait minutes for a node,
@@ -63,7 +63,7 @@ class WarmPool:
         self.idle = [w for w in self.idle if w not in chosen]
         for w in chosen:
             del self.preparing[w]
-            self.kept_off.pop(w, None)
+            self.kept_off_at_start.pop(w, None)
         return chosen
 
     def drop(self, workers: list) -> None:
@@ -72,7 +72,7 @@ class WarmPool:
             self.idle.remove(w)
             self.warming.pop(w, None)
             self.preparing.pop(w, None)
-            self.kept_off.pop(w, None)
+            self.kept_off_at_start.pop(w, None)
         self.retire(workers)
 
     def ready(self) -> int:

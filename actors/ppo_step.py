@@ -30,7 +30,7 @@ class PPOStepper(Stepper):
         shares = np.array_split(np.arange(at.cursor, at.cursor + count), len(workers))  # prompt indices
         faults = self.faults.due(n, self.team.pool.ready() > 0)
         refs = [
-            w.ppo_step.remote(at.step, ids, self.kl.beta, self.guards.lr_scale, self.scorers, faults.get(rank))
+            w.ppo_step.remote(n, ids, self.kl.beta, self.guards.lr_scale, self.scorers, faults.get(rank))
             for rank, (w, ids) in enumerate(zip(workers, shares))
         ]
         try:

@@ -21,7 +21,7 @@ class StepReport:
     loss: float  # this worker's share of the step's mean loss
     grad_norm: float
     lr: float
-    samples: int
+    share: int  # samples of the step's batch this worker took
     compute_s: float  # forward and backward up to the last gradient bucket: no waiting on peers
     communication_s: float  # the all-reduce time not hidden behind the backward pass
     worker_s: float

@@ -114,7 +114,7 @@ class PSTraining:
                 rank = idle.pop(0)
                 ids = order.take(self.data.layout, dispatched, min(self.per_worker, until - dispatched))
                 self.due |= self.faults.due(at.step + 1)
-                in_flight[workers[rank].ps_step.remote(at.step, ids, dispatched, self.due.pop(rank, None))] = rank
+                in_flight[workers[rank].ps_step.remote(at.step + 1, ids, dispatched, self.due.pop(rank, None))] = rank
                 dispatched += len(ids)
             done, _ = ray.wait(list(in_flight), num_returns=1, timeout=step_s)
             if not done:

@@ -23,7 +23,7 @@ from app.core.config import Config
 from app.core.records import Checkpoint, CheckpointFailed, Record
 from app.core.storage import STORAGE_ERRORS, describe
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -153,7 +153,7 @@ class Saver:
         try:
             checkpoint.retain(self.uri, self.cfg.checkpoint.keep)
         except STORAGE_ERRORS as e:  # the save stands; older checkpoints stay until a later retention succeeds
-            log.warning("checkpoint at step %d: removing older checkpoints failed: %s", step, describe(e))
+            logger.warning("checkpoint at step %d: removing older checkpoints failed: %s", step, describe(e))
             record.retain_error = describe(e)
         self.last = {"step": step, "level": save.meta["level"], "path": save.path}
         self._record(record)
@@ -168,7 +168,7 @@ class Saver:
     def _failed(self, step: int, why, save: Save | None = None) -> None:
         if save is not None:  # the wall-clock cadence counts from the last save that was written
             self.last_full = save.last_full
-        log.warning("checkpoint at step %d was not written: %s", step, why)
+        logger.warning("checkpoint at step %d was not written: %s", step, why)
         self._record(CheckpointFailed(step, str(why)[:500]))
         if step == self.cfg.train.steps:
             raise JobError(f"the final checkpoint could not be written to {self.uri}: {why}")

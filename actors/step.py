@@ -65,7 +65,7 @@ class Stepper:
         shares = self.shares(at.cursor, batch, workers)
         limit, faults = self.guards.limit(), self.faults.due(n, self.team.pool.ready() > 0)
         refs = [
-            w.train_step.remote(at.step, ids, batch, at.cursor, faults.get(rank), self.guards.lr_scale, limit)
+            w.train_step.remote(n, ids, batch, at.cursor, faults.get(rank), self.guards.lr_scale, limit)
             for rank, (w, ids) in enumerate(zip(workers, shares))
         ]
         try:
@@ -84,7 +84,7 @@ class Stepper:
         else:
             self.guards.accept(lead.grad_norm)
         for worker, report in zip(workers, reports):
-            self.balancer.observe(worker, report.samples, report.compute_s)
+            self.balancer.observe(worker, report.share, report.compute_s)
         if self.balancer.balanced != was_balanced:
             self.log.record(Balance(n, self.balancer.balanced, [len(s) for s in shares]))
         self.commit(at, batch, reports, time.perf_counter() - started)
@@ -96,10 +96,10 @@ class Stepper:
         if self.team.ranks == 1:
             return order.plan_step(self.data.layout, cursor, batch, self.balancer.weights(workers))
         par = self.cfg.parallel
-        per = par.microbatches if par.pp > 1 else 1
-        counts = [c * per for c in order.split_counts(batch // per, [1.0] * (len(workers) // par.ranks))]
+        per = par.per_replica
+        counts = [c * per for c in order.split_counts(batch // per, [1.0] * par.replicas(len(workers)))]
         replicas = np.split(order.take(self.data.layout, cursor, batch), np.cumsum(counts)[:-1])
-        return [replicas[rank // par.ranks] for rank in range(len(workers))]
+        return [replicas[par.place(rank).replica] for rank in range(len(workers))]
 
     def commit(
         self, at: Position, batch: int, reports: list[StepReport] | None, elapsed: float, extra: dict | None = None
@@ -109,7 +109,7 @@ class Stepper:
         member committed it (their losses miss the lost one's share)."""
         at.advance(batch)
         workers = len(self.team.workers)
-        record = Train(at.step, workers, batch, at.cursor, workers // self.team.ranks, extra=extra or {})
+        record = Train(at.step, workers, batch, at.cursor, self.cfg.parallel.replicas(workers), extra=extra or {})
         if reports is not None:
             tokens_per_s = batch * self.tokens_per_sample / elapsed
             slowest = max(reports, key=lambda r: r.worker_s)  # the others waited for it
@@ -121,8 +121,8 @@ class Stepper:
             )
             record.tokens_per_s, record.step_time_s, record.worker_s = tokens_per_s, elapsed, slowest.worker_s
             record.mfu = self.team.mfu(tokens_per_s, at.step)
-            record.shares = [r.samples for r in reports]
-            record.speeds = [round(r.samples / max(r.compute_s, 1e-9), 2) for r in reports]
+            record.shares = [r.share for r in reports]
+            record.speeds = [round(r.share / max(r.compute_s, 1e-9), 2) for r in reports]
             record.comm_bytes, record.dense_bytes = (
                 sum(r.comm_bytes for r in reports),
                 sum(r.dense_bytes for r in reports),
@@ -154,10 +154,10 @@ def evaluate(team, eval_ids: np.ndarray, timeout: float, faults: dict | None = N
     injected fault, during: eval). WorkersLost if a member is lost meanwhile: this evaluation is lost with it."""
     if not len(eval_ids):
         return None
-    workers, ranks = team.workers, team.ranks
-    replicas = len(workers) // ranks
+    workers, par = team.workers, team.cfg.parallel
+    replicas = par.replicas(len(workers))
     shares = order.split(eval_ids, [1.0] * replicas) if len(eval_ids) >= replicas else [eval_ids]
-    shares = [shares[rank // ranks] for rank in range(len(shares) * ranks)]  # a replica's ranks read alike
+    shares = [shares[par.place(rank).replica] for rank in range(len(shares) * par.ranks)]  # a replica's ranks alike
     faults = faults or {}
     refs = [w.evaluate.remote(s, faults.get(rank)) for rank, (w, s) in enumerate(zip(workers, shares))]
     results = team.gather(refs, workers, "evaluation", timeout)

@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from app.core.health import Reading
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class HostSource:
@@ -49,14 +49,14 @@ class NvmlSource:
             self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
             self.nvml = pynvml
         except Exception as e:  # no driver, no GPU, no library: nothing to read on this node
-            log.info("NVML unavailable here (%s): GPU telemetry off on this node", e)
+            logger.info("NVML unavailable here (%s): GPU telemetry off on this node", e)
             return
         try:
             self.events = pynvml.nvmlEventSetCreate()
             for h in self.handles:
                 pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, self.events)
         except pynvml.NVMLError as e:
-            log.warning("NVML Xid events unavailable (%s): Xids are not watched on this node", e)
+            logger.warning("NVML Xid events unavailable (%s): Xids are not watched on this node", e)
             self.events = None
 
     def read(self, node: str) -> Reading | None:
@@ -113,7 +113,7 @@ class Telemetry:
                 if (r := source.read(self.node)) is not None:
                     readings.append(r)
             except Exception as e:  # a source failing is not a node failing: it is logged and skipped
-                log.warning("telemetry source %s failed on node %s: %s", source.name, self.node, e)
+                logger.warning("telemetry source %s failed on node %s: %s", source.name, self.node, e)
         return readings
 
 

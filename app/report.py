@@ -25,7 +25,7 @@ REASON_COLORS = {
     "scale-in": "tab:orange",
     "recover": "tab:red",
     "preemption": "tab:purple",
-    "drain": "tab:brown",  # a node at risk (actors/health.py)
+    "drain": "tab:brown",  # a node at risk (actors/health_watch.py)
 }
 # they sum to step_time_s (the stall came before)
 SPLIT = tuple(f"{part}_s" for part in STEP_PARTS if part != "checkpoint_stall")

@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from datetime import datetime
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 IMDS = "http://169.254.169.254"
 
@@ -69,10 +69,10 @@ def watch(imds: str = IMDS, node_id: str | None = None, every: float = 5.0) -> d
         try:
             notice = interruption(imds)
         except OSError as e:
-            log.warning("instance metadata unreachable (%s); retrying in %.0f s", e, every)
+            logger.warning("instance metadata unreachable (%s); retrying in %.0f s", e, every)
             notice = None
         if notice:
             drain(node_id, notice)
-            log.warning("spot interruption for node %s at %s: drain requested", node_id, notice["time"])
+            logger.warning("spot interruption for node %s at %s: drain requested", node_id, notice["time"])
             return notice
         time.sleep(every)

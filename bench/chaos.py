@@ -78,7 +78,7 @@ def run_ours(args, every: int, extra: tuple[str, ...] = (), ready_pool: bool = T
     failures = sum(r["kind"] == "membership" and r["reason"] == "recover" for r in records)
     redone = failures - sum(r.get("loss") is None for r in steps)  # the survivors committed a step they all finished
     once = [r["step"] for r in steps] == list(range(1, args.steps + 1)) and all(
-        r["samples"] == r["step"] * cfg.train.global_batch for r in steps
+        r["cursor"] == r["step"] * cfg.train.global_batch for r in steps
     )
     return {
         "committed_share": len(steps) / (len(steps) + redone),

@@ -68,7 +68,7 @@ def run_variant(name: str, overrides: list[str], steps: int, root: Path, data_di
     steps_ = [r for r in records if r["kind"] == "train"]
     a, b = steps_[min(WARMUP, len(steps_) - 2)], steps_[-1]
     result = {
-        "samples_per_s": (b["samples"] - a["samples"]) / (b["time"] - a["time"]),
+        "samples_per_s": (b["cursor"] - a["cursor"]) / (b["time"] - a["time"]),
         "eval_loss": [r for r in records if r["kind"] == "eval"][-1]["eval_loss"],
         "final_loss": b["loss"],
     }

@@ -26,7 +26,7 @@ from app.core.config import ModelConfig, OptimConfig, ParallelConfig
 from app.core.local_ranks import SavedBytes, local_group, tensor_bytes
 from app.core.model import GPT, next_token_loss
 from app.core.optim import make_optimizer
-from app.core.parallel import Replica, coords, make_mesh
+from app.core.parallel import Replica, make_mesh
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = ModelConfig(n_layer=4, n_head=8, d_model=256, seq_len=128, vocab_size=256)
@@ -47,7 +47,7 @@ def rank_main(rank: int, world: int, layout: dict, steps: int) -> dict:
     torch.manual_seed(0)
     replica = Replica(GPT(MODEL), mesh, cfg, torch.device("cpu"))
     optimizer = make_optimizer(replica.model, OPTIM)
-    at, replicas = coords(rank, cfg), world // cfg.ranks
+    at, replicas = cfg.place(rank), cfg.replicas(world)
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(0, MODEL.vocab_size, (BATCH, MODEL.seq_len + 1), generator=g).chunk(replicas)[at.replica]
     saved, times, pipe = SavedBytes(), [], []

@@ -37,7 +37,7 @@ from app.core.storage import STORAGE_ERRORS, describe
 from pipelines import order
 from pipelines.shards import ShardError, read_manifest
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 # transient download errors (an object store's brief outage), with exponential backoff from 0.5 s: 7.5 s in all
 RETRIES = 5
@@ -122,7 +122,7 @@ class ShardCache:
         if shard not in self._present:
             if len(self._present) >= self.capacity and not self._evict_for(shard, cursor):
                 self.stats_["overflows"] += 1
-                log.warning(
+                logger.warning(
                     "shard cache full of pinned shards; holding %d over capacity %d",
                     len(self._present) + 1,
                     self.capacity,
@@ -170,7 +170,7 @@ class ShardCache:
                     self.stats_["fetched_shards"] += 1
                     self.stats_["fetched_bytes"] += len(data)
                 return str(target)
-            log.warning("shard %s failed its sha256 check (attempt %d)", entry["path"], attempt + 1)
+            logger.warning("shard %s failed its sha256 check (attempt %d)", entry["path"], attempt + 1)
         raise ShardError(
             f"shard {posixpath.join(self.root, entry['path'])} does not match its manifest sha256 after a re-fetch; "
             "it is corrupt at the source: re-run `etrain prepare`"
@@ -186,7 +186,7 @@ class ShardCache:
             except STORAGE_ERRORS as e:
                 if attempt == RETRIES - 1:
                     raise ShardError(f"shard {uri} could not be fetched after {RETRIES} tries: {describe(e)}") from None
-                log.warning("fetching shard %s failed (%s); retrying in %.1f s", uri, describe(e), 0.5 * 2**attempt)
+                logger.warning("fetching shard %s failed (%s); retrying in %.1f s", uri, describe(e), 0.5 * 2**attempt)
                 with self._lock:
                     self.stats_["retries"] += 1
                 time.sleep(0.5 * 2**attempt)

@@ -327,8 +327,8 @@ def check(
     elif steps != sorted(set(steps)) or (steps and steps != list(range(1, len(steps) + 1))):
         broken.append(f"steps recorded {steps}: a step twice, or one missing")
     batch = cfg.ppo.rollouts if scenario.mode == "ppo" else cfg.train.global_batch
-    if any(r["samples"] != batch * r["step"] for r in trained):
-        broken.append(f"the cursor is not {batch} samples a step: {[(r['step'], r['samples']) for r in trained]}")
+    if any(r["cursor"] != batch * r["step"] for r in trained):
+        broken.append(f"the cursor is not {batch} samples a step: {[(r['step'], r['cursor']) for r in trained]}")
     broken += compare(scenario, trained, want)
     try:
         uri = checkpoint.checkpoint_uri(cfg, run_dir)

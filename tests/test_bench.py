@@ -121,7 +121,7 @@ def test_comm_bench_compares_the_figures_of_its_variants_records(tmp_path, monke
     def run(step_s: list[float], eval_loss: float, bytes_: int) -> list[dict]:
         times = np.cumsum(step_s).tolist()
         steps = [
-            {"kind": "train", "step": s, "world_size": 2, "batch": 16, "samples": 16 * s, "time": 1000.0 + times[s - 1],
+            {"kind": "train", "step": s, "world_size": 2, "batch": 16, "cursor": 16 * s, "time": 1000.0 + times[s - 1],
              "loss": 4.0 - s / 8, "comm_bytes": bytes_ * (s % 3 + 1), "dense_bytes": 2 * bytes_,
              "optimizer_bytes": [7 * bytes_, 5 * bytes_], "shares": [8 + s % 2, 8 - s % 2]}
             for s in range(1, len(step_s) + 1)

@@ -54,7 +54,7 @@ def status_file(run_dir: Path, phase: str, **more) -> None:
         "wanted": 2,
         "autoscaling": False,
         "warm_pool_ready": 0,
-        "warm_pool_size": 0,
+        "warm_pool_starting": 0,
         "recoveries": 0,
         "generation": 1,
         "draining_nodes": [],

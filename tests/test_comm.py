@@ -158,7 +158,7 @@ def test_parameter_server_mode_bounds_staleness_and_resumes(make_cfg):
     run_dir = run(make_cfg, "ps", *ps, "train.steps=20", slow)
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, 21))
-    assert steps[-1]["samples"] == 20 * 16  # every sample applied once
+    assert steps[-1]["cursor"] == 20 * 16  # every sample applied once
     assert all(r["max_staleness"] <= 2 for r in steps)
     [summary] = records(run_dir, "ps")
     assert any(s["window_closes"] > 0 for s in summary["shards"])  # fast workers went on without the straggler
@@ -179,7 +179,7 @@ def test_parameter_server_mode_bounds_staleness_and_resumes(make_cfg):
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, 29))
     assert [r["step"] for r in records(run_dir, "resume")] == [20, 24]
-    assert steps[-1]["samples"] == 28 * 16
+    assert steps[-1]["cursor"] == 28 * 16
     # Went on from the trained weights, not from scratch (single-step losses 8 steps apart are too noisy to compare).
     assert max(r["loss"] for r in steps[20:]) < 0.8 * steps[0]["loss"]
     assert steps[24]["lr"] == pytest.approx(cfg.optim.lr * lr_factor(24, cfg.optim, 28))  # the schedule went on

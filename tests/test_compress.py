@@ -68,7 +68,7 @@ def train_steps(ddp: DDP, sync: GradSync, rank: int, steps: range) -> list[dict]
     """Backward only (no optimizer): each step's stats, with the bytes that really went out."""
     stats = []
     for step in steps:
-        sync.begin(step)
+        sync.begin(step + 1)
         ddp.module.zero_grad()
         with wire_bytes() as sent:
             loss_of(ddp, batch(rank, step)).backward()
@@ -112,14 +112,14 @@ def error_feedback(rank: int) -> dict:
             sync.regroup(rank, WORLD, list(model.named_parameters()), step)
             out["carried"] = residual()
         for _ in range(EF_STEPS):
-            sync.begin(step)
+            sync.begin(step + 1)
             model.zero_grad()
             loss_of(ddp, x).backward()
             step += 1
             sync.commit(step)
             out["synced"].append(flat_grad(model))
     out["residual"] = residual()
-    sync.begin(step)  # a step that fails after its sync (a peer lost): redone later, from the residuals before it
+    sync.begin(step + 1)  # a step that fails after its sync (a peer lost): redone later, from the residuals before it
     model.zero_grad()
     loss_of(ddp, x).backward()
     out["uncommitted"] = residual()
@@ -284,7 +284,7 @@ def test_alone_in_a_group_the_residuals_are_dropped():
 
 def test_an_outliers_skipped_step_leaves_the_residuals_as_they_were():
     sync, named = residual_sync([2.0], world=2)
-    sync.begin(5)
+    sync.begin(6)
     sync._next = {named[0][1]: torch.full((2,), 7.0)}  # what the hook made of the spike
     sync.commit(6, sent=False)
     assert sync.residuals[named[0][1]].tolist() == [2.0, 2.0] and sync.held_at == 6

@@ -28,8 +28,8 @@ def obs(**kw) -> Observation:
         (State.RUNNING, obs(step=10, checkpoint_due=True), State.CHECKPOINTING),  # the final checkpoint
         (State.CHECKPOINTING, obs(step=10), State.FINISHED),
         (State.RUNNING, obs(step=10, target=3), State.FINISHED),  # no resize after the last step
-        (State.RUNNING, obs(evict=1), State.RESIZING),  # a node is being drained: move off it now
-        (State.RUNNING, obs(evict=1, lost=1), State.RECOVERING),
+        (State.RUNNING, obs(draining=1), State.RESIZING),  # a node is being drained: move off it now
+        (State.RUNNING, obs(draining=1, lost=1), State.RECOVERING),
         (State.FINISHED, obs(lost=1), State.FINISHED),
         (State.FAILED, obs(), State.FAILED),
     ],

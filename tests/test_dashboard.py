@@ -42,7 +42,7 @@ WANTED = [
     ("ray_etrain_tokens_per_second", ""),
     ("ray_etrain_grad_norm", ""),
     ("ray_etrain_world_size", ""),
-    ("ray_etrain_warm_pool_size", ""),
+    ("ray_etrain_warm_pool_ready", ""),
     ("ray_etrain_cache_hit_rate", ""),
     ("ray_etrain_fetched_bytes_total", ""),
     ("ray_etrain_eval_loss", ""),
@@ -74,7 +74,7 @@ def test_metrics_status_and_report_of_a_live_run(ray_session, make_cfg, capsys):
         """Scale out once a pool worker is ready; take `etrain status`; scrape until every metric is there."""
         while not records(run_dir, "train"):
             time.sleep(0.2)
-        deadline = time.monotonic() + 10  # status.json follows the records within runlog.STATUS_S
+        deadline = time.monotonic() + 10  # status.json follows the records within status_file.STATUS_S
         while time.monotonic() < deadline:
             assert main(["status", "--json", str(run_dir)]) == 0
             seen["status"] = json.loads(capsys.readouterr().out)

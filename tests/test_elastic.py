@@ -72,7 +72,7 @@ def test_autoscaling_grows_onto_free_room_with_linear_scaling(make_cfg):
     assert steps[-1]["world_size"] == 3  # the policy never shrinks a job
     # Linear scaling: 8 samples per worker per step, and the learning rate grows by the same factor.
     assert all(r["batch"] == 8 * r["world_size"] for r in steps)
-    assert steps[-1]["samples"] == sum(r["batch"] for r in steps)
+    assert steps[-1]["cursor"] == sum(r["batch"] for r in steps)
     base = {r["step"]: cfg.optim.lr * lr_factor(r["step"] - 1, cfg.optim, cfg.train.steps) for r in steps}
     assert all(r["lr"] == pytest.approx(base[r["step"]] * r["world_size"] / 2, rel=1e-6) for r in steps)
 

@@ -38,12 +38,12 @@ def test_a_gradient_spike_is_skipped_and_its_samples_quarantined(make_cfg):
     assert [r["step"] for r in steps] == list(range(1, 31))
     assert [r["step"] for r in steps if r["skipped"]] == [25]
     [outlier] = records(run_dir, "outlier")
-    assert outlier["grad_norm"] > outlier["limit"] and outlier["samples"] == 16
+    assert outlier["grad_norm"] > outlier["limit"] and outlier["batch"] == 16
     [logged] = [json.loads(line) for line in (run_dir / "quarantine.jsonl").read_text().splitlines()]
-    assert logged["step"] == 25 and len(logged["samples"]) == 16
-    assert all(s["shard"].endswith(".parquet") and s["row"] >= 0 for s in logged["samples"])
+    assert logged["step"] == 25 and len(logged["sources"]) == 16
+    assert all(s["shard"].endswith(".parquet") and s["row"] >= 0 for s in logged["sources"])
     # traced to the source files
-    assert all(s["documents"] and all(d.startswith("stdlib/") for d in s["documents"]) for s in logged["samples"])
+    assert all(s["documents"] and all(d.startswith("stdlib/") for d in s["documents"]) for s in logged["sources"])
     assert abs(steps[25]["loss"] - steps[23]["loss"]) < 0.5  # the spike's update never happened
 
 

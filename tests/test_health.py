@@ -133,9 +133,9 @@ def test_degrade_and_noisy_faults_set_the_slowdown_each_step_and_degrade_dies_at
 
 def test_a_drain_is_a_resize_of_its_own_reason():
     nodes = {"w0": "good", "w1": "bad", "w2": "good"}
-    plan = plan_resize(["w0", "w1"], nodes, draining=set(), target=2, drained=frozenset({"bad"}))
-    assert (plan.keep, plan.evicted, plan.joining, plan.reason) == (["w0"], ["w1"], 1, "drain")
-    preempted = plan_resize(["w0", "w1"], nodes, draining={"bad"}, target=2, drained=frozenset({"bad"}))
+    plan = plan_resize(["w0", "w1"], nodes, preempted=set(), target=2, at_risk=frozenset({"bad"}))
+    assert (plan.keep, plan.drained, plan.joining, plan.reason) == (["w0"], ["w1"], 1, "drain")
+    preempted = plan_resize(["w0", "w1"], nodes, preempted={"bad"}, target=2, at_risk=frozenset({"bad"}))
     assert preempted.reason == "preemption"
 
 
@@ -186,10 +186,10 @@ class Team:
     """What HealthWatch asks of the group: its members, their nodes, the ready pool workers elsewhere."""
 
     def __init__(self, nodes: dict, ready_elsewhere: int = 0):
-        self.workers, self.nodes, self.ranks, self.extra_pool = list(nodes), nodes, 1, 0
+        self.workers, self.nodes, self.ranks = list(nodes), nodes, 1
         self.ready = ready_elsewhere
 
-    def ready_elsewhere(self, avoid: set) -> int:
+    def ready_elsewhere(self, kept_off: set) -> int:
         return self.ready
 
 
@@ -206,7 +206,7 @@ class Log:
 
 
 def watch(team, *overrides: str, faults=()):
-    from actors.health import HealthWatch
+    from actors.health_watch import HealthWatch
 
     cfg = load_config("tiny", ["health.sources=[]", *overrides])
     return HealthWatch(cfg, team, FaultPlan(list(faults), [].append), log := Log()), log
@@ -222,19 +222,19 @@ def test_a_rule_drains_without_a_replacement_down_to_min_workers_and_a_trend_wai
     hw._node("c").add(ecc("c", 0, 0))
     hw._node("c").add(ecc("c", 1, 1))  # an uncorrectable error: a rule
     assert hw.watch(step=5) == {"c"} and log.records[-1].action == "drain" and log.risks["c"] == 1.0
-    assert hw.avoid["c"] == float("inf")
+    assert hw.kept_off["c"] == float("inf")
 
     team = Team({"w0": "a", "w1": "b"})
     hw, log = watch(team, "cluster.min_workers=2")  # one member left would be below the floor
     hw._node("b").add(ecc("b", 0, 0))
     hw._node("b").add(ecc("b", 1, 1))
-    assert hw.watch(step=5) == set() and log.records[-1].action == "wait" and team.extra_pool == 1
+    assert hw.watch(step=5) == set() and log.records[-1].action == "wait" and hw.replacements == 1
 
     team = Team({"w0": "a", "w1": "b"})
     hw, log = watch(team)
     for i in range(CFG.persist + 1):  # single-bit errors rising: a trend, not a rule
         hw._node("b").add(Reading("b", 5.0 * i, "nvml", ecc_sbe=5 * i))
-    assert hw.watch(step=5) == set() and log.records[-1].action == "wait" and team.extra_pool == 1
+    assert hw.watch(step=5) == set() and log.records[-1].action == "wait" and hw.replacements == 1
     team.ready = 1  # the pool worker the autoscaler made room for is ready
     assert hw.watch(step=6) == {"b"} and log.records[-1].action == "drain"
 
@@ -243,7 +243,7 @@ def test_observe_scores_and_records_but_never_drains_and_a_node_drained_twice_is
     team = Team({"w0": "a", "w1": "b"}, ready_elsewhere=1)
     hw, log = watch(team, "health.action=observe")
     hw._node("b").add(Reading("b", 0, "nvml", xid=[79]))
-    assert hw.watch(step=3) == set() and log.records[-1].action == "watch" and not hw.avoid
+    assert hw.watch(step=3) == set() and log.records[-1].action == "watch" and not hw.kept_off
 
     hw, log = watch(team, "health.cooldown_s=0")
     for step in (3, 10):

@@ -11,7 +11,7 @@ NODES = {"w0": "n0", "w1": "n1", "w2": "n1", "w3": "n2"}
 
 
 @pytest.mark.parametrize(
-    "workers, draining, target, keep, leaving, evicted, joining, reason",
+    "workers, preempted, target, keep, leaving, drained, joining, reason",
     [
         (["w0", "w1"], set(), 3, ["w0", "w1"], [], [], 1, "scale-out"),
         (["w0", "w1", "w3"], set(), 1, ["w0"], ["w1", "w3"], [], 0, "scale-in"),  # the lowest ranks stay
@@ -29,19 +29,19 @@ NODES = {"w0": "n0", "w1": "n1", "w2": "n1", "w3": "n2"}
         (["w1"], {"n1"}, 1, [], [], ["w1"], 1, "preemption"),  # the only member's node goes: a ready worker replaces it
     ],
 )
-def test_plan_resize(workers, draining, target, keep, leaving, evicted, joining, reason):
-    plan = plan_resize(workers, NODES, draining, target)
-    assert (plan.keep, plan.leaving, plan.evicted, plan.joining, plan.reason) == (
+def test_plan_resize(workers, preempted, target, keep, leaving, drained, joining, reason):
+    plan = plan_resize(workers, NODES, preempted, target)
+    assert (plan.keep, plan.leaving, plan.drained, plan.joining, plan.reason) == (
         keep,
         leaving,
-        evicted,
+        drained,
         joining,
         reason,
     )
 
 
 @pytest.mark.parametrize(
-    "draining, target, keep, leaving, evicted, joining",
+    "preempted, target, keep, leaving, drained, joining",
     [
         ({"n1"}, 4, ["w0", "w1"], ["w2"], ["w3"], 2),  # w3's node goes: its replica leaves whole, one comes back
         ({"n0"}, 2, ["w2", "w3"], ["w1"], ["w0"], 0),  # the first replica goes; the second takes ranks 0 and 1
@@ -49,11 +49,11 @@ def test_plan_resize(workers, draining, target, keep, leaving, evicted, joining,
         (set(), 6, ["w0", "w1", "w2", "w3"], [], [], 2),  # scale-out by a replica
     ],
 )
-def test_a_layout_resizes_by_whole_replicas(draining, target, keep, leaving, evicted, joining):
+def test_a_layout_resizes_by_whole_replicas(preempted, target, keep, leaving, drained, joining):
     """Replicas of 2 ranks: [w0 w1] [w2 w3]."""
     nodes = {"w0": "n0", "w1": "n2", "w2": "n2", "w3": "n1"}
-    plan = plan_resize(["w0", "w1", "w2", "w3"], nodes, draining, target, ranks=2)
-    assert (plan.keep, plan.leaving, plan.evicted, plan.joining) == (keep, leaving, evicted, joining)
+    plan = plan_resize(["w0", "w1", "w2", "w3"], nodes, preempted, target, ranks=2)
+    assert (plan.keep, plan.leaving, plan.drained, plan.joining) == (keep, leaving, drained, joining)
 
 
 def test_a_replica_that_lost_a_rank_is_out_whole_and_a_joiner_takes_its_twins_state():

@@ -18,7 +18,7 @@ from app.core.layout_state import full_state, load_full, whole
 from app.core.local_ranks import local_group
 from app.core.model import GPT
 from app.core.optim import make_optimizer
-from app.core.parallel import Replica, coords, make_mesh, stage_layers
+from app.core.parallel import Replica, make_mesh, stage_layers
 from app.core.ports import free_port
 
 MODEL = ModelConfig(n_layer=4, n_head=4, d_model=32, seq_len=16, vocab_size=64)
@@ -60,7 +60,7 @@ def train_rank(
     optimizer = make_optimizer(replica.model, OPTIM)
     if state is not None:
         load_full(replica, optimizer, state)
-    mine, replicas = coords(rank, cfg).replica, world // cfg.ranks
+    mine, replicas = cfg.place(rank).replica, cfg.replicas(world)
     losses, first, every = [], {}, batches()
     for i in steps:
         rows = every[i].chunk(replicas)[mine]
@@ -155,7 +155,7 @@ def _generations(plan: list[tuple[int, int, int, int]], out) -> None:
         try:
             torch.manual_seed(0)
             replica = Replica(GPT(MODEL), make_mesh(world, cfg, "cpu"), cfg, torch.device("cpu"))
-            mine = rows.chunk(world // cfg.ranks)[coords(rank, cfg).replica]
+            mine = rows.chunk(cfg.replicas(world))[cfg.place(rank).replica]
             loss = replica.forward_backward(mine[:, :-1], mine[:, 1:])
             out.put((generation, rank, (loss, replica.sync_and_clip(math.inf))))
         except Exception:

@@ -94,7 +94,7 @@ def test_a_rank_lost_takes_its_replica_out_and_a_replica_formed_from_the_pool_ta
     assert [c[1:] for c in changes[1:]] == [("scale-out", 2, 4)], changes  # a whole replica back, from the pool
     trained = records(run_dir, "train")
     assert [r["step"] for r in trained] == list(range(1, steps + 1))
-    assert [r["samples"] for r in trained] == [16 * r["step"] for r in trained]  # the data cursor: whole batches
+    assert [r["cursor"] for r in trained] == [16 * r["step"] for r in trained]  # the data cursor: whole batches
     sizes = [4] * (step - 1) + [2] * (changes[1][0] - step + 1) + [4] * (steps - changes[1][0])
     assert [r["world_size"] for r in trained] == sizes
     assert_same_losses(losses(run_dir), single(steps)[0])

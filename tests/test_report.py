@@ -20,7 +20,7 @@ T0 = 1_700_000_000.0
 
 
 def _train(step: int, world: int, complete: bool = True) -> dict:
-    record = {"kind": "train", "step": step, "world_size": world, "batch": 16, "samples": 16 * step, "time": T0 + step}
+    record = {"kind": "train", "step": step, "world_size": world, "batch": 16, "cursor": 16 * step, "time": T0 + step}
     if complete:  # a step committed by survivors of a lost worker has none of these
         step_time = 0.1 + 0.01 * (step % 3)
         record |= {

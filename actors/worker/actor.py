@@ -25,8 +25,10 @@ import torch.distributed as dist
 
 from actors.protocol import StepReport
 from actors.worker import rollout, zero_state
-from actors.worker.engine import make_engine
+from actors.worker.data_parallel import DataParallel
+from actors.worker.engine import Engine
 from actors.worker.injection import Injected, apply, tick
+from actors.worker.param_server import ParamServer
 from app.core import rewards
 from app.core.checkpoint import LIGHT, deserialize, light_weights, model_weights, serialize, tensor_hash, write_part
 from app.core.config import Config
@@ -37,8 +39,19 @@ from pipelines.stream import StreamingReader
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
-    """RNG state as a pure function of (seed, step, rank): nothing to checkpoint, exact on resume."""
+    """RNG state as a pure function of (seed, step number, rank): nothing to checkpoint, exact on resume."""
     return (seed * 1_000_003 + step * 7_919 + rank) % 2**63
+
+
+def make_engine(cfg: Config, device: torch.device) -> Engine:
+    """The engine of this run's mode: one per run, fixed by its config."""
+    if cfg.comm.mode == "ps":
+        return ParamServer(cfg, device)
+    if cfg.parallel.ranks > 1:
+        from actors.worker.laid_out import LaidOut  # DTensor and the pipeline schedules: ~1 s to import
+
+        return LaidOut(cfg, device)
+    return DataParallel(cfg, device)
 
 
 class TrainWorker:
@@ -169,9 +182,10 @@ class TrainWorker:
     # -- steps -------------------------------------------------------------------------
 
     def _begin(self, step: int, fault: dict | None) -> int:
-        """A step's start: its fault injected, a slowly failing node's next symptom, and its seed."""
+        """Step `step` (its number, 1-based as in its records) starts: its fault injected, a slowly failing node's
+        next symptom, and its seed."""
         apply(fault, self.injected, self.engine.sync)
-        tick(self.injected, step + 1)
+        tick(self.injected, step)
         # a TP group's ranks draw alike: dropout on what they all hold (the residual stream) drops the same elements
         return step_seed(self.cfg.train.seed, step, self.engine.rank // self.cfg.parallel.tp)
 
@@ -208,7 +222,7 @@ class TrainWorker:
         compute_s = (stats.get("last_ready") or synced) - computing
         finite = math.isfinite(grad_norm) or engine.scaler.is_enabled()  # fp16: the scaler skips overflows itself
         if finite:
-            engine.applied = step + 1
+            engine.applied = step
             if sync:
                 sync.commit(engine.applied, sent=math.isfinite(grad_norm) and grad_norm <= max_norm)
         return StepReport(
@@ -217,7 +231,7 @@ class TrainWorker:
             loss=loss_sum,
             grad_norm=grad_norm,
             lr=lr,
-            samples=len(ids),
+            share=len(ids),
             compute_s=compute_s,
             communication_s=synced - computing - compute_s,
             worker_s=time.perf_counter() - started,
@@ -239,7 +253,7 @@ class TrainWorker:
             self._abort_group()
             raise
         if report.finite:
-            self.engine.applied = step + 1
+            self.engine.applied = step
         report.saving = self._writing()
         return report
 

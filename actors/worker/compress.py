@@ -49,7 +49,7 @@ class GradSync:
         # Plain all-reduce for the first `start` steps: early gradients change fast, and what top-k holds
         # back then arrives stale (measured on the tiny GPT: it shrinks top-k's loss gap by more than half).
         self.start = start
-        self.step = 0  # the step in flight (`begin`)
+        self.step = 0  # the step in flight (`begin`); 0 before the first
         self.residuals: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> flat error not yet sent
         self.held_at = -1  # the step of the state the residuals belong to (the worker's `applied` at commit)
         self.units = 0  # the size of the group they were made in: each rank's residual weighs 1/units in the mean
@@ -79,7 +79,8 @@ class GradSync:
             ddp.register_comm_hook(group, self._counted(_TORCH_HOOKS[self.mode], self._cast_bytes))
 
     def begin(self, step: int) -> None:
-        """A step starts: `step` is the run's global step, so every rank decides alike, joiners too."""
+        """Step `step` (the run's step number, 1-based as in its records) starts: every rank decides alike by it,
+        joiners too."""
         self.step, self._next = step, {}
 
     def commit(self, applied: int, sent: bool = True) -> None:
@@ -173,7 +174,7 @@ class GradSync:
         return buffer.numel() * 2 if self.mode in ("fp16", "bf16") else buffer.nbytes
 
     def _topk_bytes(self, _, bucket: dist.GradBucket) -> int:
-        if self.step < self.start:
+        if self.step <= self.start:
             return bucket.buffer().nbytes
         return 4 * sum(topk_kept(p.numel(), self.topk_ratio) for p in bucket.parameters())
 
@@ -182,7 +183,7 @@ class GradSync:
 
         Per parameter, not per bucket: DDP lays its buckets out anew after a new group's first step, and a
         selection that followed the buckets would differ between a resumed run and one that went on."""
-        if self.step < self.start:
+        if self.step <= self.start:
             return default_hooks.allreduce_hook(group, bucket)
         buffer, params, ratio = bucket.buffer(), bucket.parameters(), self.topk_ratio
         sizes = [p.numel() for p in params]  # bucket.parameters() is in the order of their slices of the buffer

@@ -3,7 +3,7 @@
 A mode of training is an engine over this state: data_parallel.py (DDP, ZeRO-1, the gradient sync),
 laid_out.py (one rank's part of a tensor/pipeline-parallel replica), param_server.py (shards on parameter
 servers). The actor (actor.py) picks one from the config when it starts (`make_engine`) and calls only the
-methods below; a new mode (sharded state) is one more engine.
+methods below; a new mode (sharded state) is one more engine, and one more line there.
 """
 
 from __future__ import annotations
@@ -142,21 +142,6 @@ class Engine:
     def flat_grad(self) -> torch.Tensor:
         """The synchronised gradient of the last step (for the gradient-equality check)."""
         return torch.cat([p.grad.detach().flatten().cpu() for p in self.model.parameters() if p.requires_grad])
-
-
-def make_engine(cfg: Config, device: torch.device) -> Engine:
-    """The engine of this run's mode: one per run, fixed by its config."""
-    if cfg.comm.mode == "ps":
-        from actors.worker.param_server import ParamServer
-
-        return ParamServer(cfg, device)
-    if cfg.parallel.ranks > 1:
-        from actors.worker.laid_out import LaidOut
-
-        return LaidOut(cfg, device)
-    from actors.worker.data_parallel import DataParallel
-
-    return DataParallel(cfg, device)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

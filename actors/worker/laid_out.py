@@ -23,7 +23,7 @@ from app.core.layout_state import (
 )
 from app.core.model import GPT
 from app.core.optim import make_optimizer, make_scheduler
-from app.core.parallel import Replica, ReplicaBroken, coords, make_mesh
+from app.core.parallel import Replica, ReplicaBroken, make_mesh
 
 
 class LaidOut(Engine):
@@ -39,7 +39,7 @@ class LaidOut(Engine):
         self.rank, self.world = rank, world
         par = self.cfg.parallel
         mesh = make_mesh(world, par, self.device.type)
-        at = coords(rank, par)
+        at = par.place(rank)
         if self.held is None:  # the whole model: its state goes with the cut
             whole = {"model": self.model.state_dict(), "optim": self._by_name(self.optimizer.state_dict())}
             self.replica = Replica(self.model, mesh, par, self.device)

@@ -94,7 +94,7 @@ def ppo_step(engine, task, indices, beta: float, lr_scale: float, scorers: tuple
         loss=stats["loss"] * share,
         grad_norm=stats["grad_norm"],
         lr=stats["lr"],
-        samples=n,
+        share=n,
         compute_s=time.perf_counter() - computing,
         communication_s=0.0,
         worker_s=time.perf_counter() - started,

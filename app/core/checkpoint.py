@@ -31,7 +31,7 @@ import fsspec
 
 from app.core.storage import STORAGE_ERRORS, describe
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 COMMIT = "commit.json"
 CURSOR = "cursor.json"
@@ -176,7 +176,7 @@ def load_latest(uri: str) -> Checkpoint | None:
         try:
             return _load(fs, path, meta)
         except CheckpointError as e:
-            log.warning("skipping checkpoint %s: %s; falling back to an earlier one", path, e)
+            logger.warning("skipping checkpoint %s: %s; falling back to an earlier one", path, e)
     return None
 
 
@@ -288,7 +288,7 @@ class CursorLog:
             try:
                 write_cursor(self.uri, record)
             except STORAGE_ERRORS as e:  # the next step's record tries again
-                log.warning("could not write the data cursor to %s: %s", self.uri, describe(e))
+                logger.warning("could not write the data cursor to %s: %s", self.uri, describe(e))
 
 
 def _put_whole(fs, target: str, body: bytes) -> None:
@@ -321,11 +321,11 @@ def _read_commit(fs, path: str, quiet: bool = False) -> dict | None:
         return None
     except (json.JSONDecodeError, UnicodeDecodeError):
         if not quiet:
-            log.warning("skipping checkpoint %s: unreadable %s", path, COMMIT)
+            logger.warning("skipping checkpoint %s: unreadable %s", path, COMMIT)
         return None
     if not (isinstance(meta, dict) and meta.get("level") in ("full", "light") and isinstance(meta.get("files"), dict)):
         if not quiet:
-            log.warning("skipping checkpoint %s: its %s is not one this version writes", path, COMMIT)
+            logger.warning("skipping checkpoint %s: its %s is not one this version writes", path, COMMIT)
         return None
     return meta
 

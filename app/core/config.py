@@ -12,6 +12,7 @@ import difflib
 import hashlib
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -98,6 +99,15 @@ class ModelConfig(Section):
         return self
 
 
+@dataclass(frozen=True)
+class Coords:
+    """Where a rank sits: its replica (the data-parallel index), its pipeline stage, its tensor shard."""
+
+    replica: int
+    stage: int
+    shard: int
+
+
 class ParallelConfig(Section):
     """How one model replica is laid out (app/core/parallel.py): `tp` ranks split each block's tensors, `pp` ranks
     split the blocks into pipeline stages. A replica is tp × pp ranks; the data-parallel degree is the number of
@@ -114,6 +124,30 @@ class ParallelConfig(Section):
     def ranks(self) -> int:
         """Ranks per replica."""
         return self.tp * self.pp
+
+    @property
+    def per_replica(self) -> int:
+        """A replica's share of a batch comes in multiples of this many samples: its pipeline micro-batches."""
+        return self.microbatches if self.pp > 1 else 1
+
+    def replicas(self, workers: int) -> int:
+        return workers // self.ranks
+
+    def place(self, rank: int) -> Coords:
+        return Coords(rank // self.ranks, rank // self.tp % self.pp, rank % self.tp)
+
+    def misfit(self, workers: int, global_batch: int, what: str) -> str | None:
+        """Why `workers` (named `what`) cannot train batches of `global_batch` samples in this layout, or None:
+        they must form whole replicas, and the batch split into a whole number of micro-batches for each."""
+        if workers % self.ranks:
+            return f"{what} is not a whole number of replicas of parallel.tp × parallel.pp = {self.ranks} ranks"
+        replicas, per = self.replicas(workers), self.per_replica
+        if global_batch % per or global_batch < replicas * per:
+            return (
+                f"train.global_batch={global_batch} must split into {replicas} replica(s) × whole micro-batches of "
+                f"{per} sample(s): a multiple of {per}, at least {replicas * per}"
+            )
+        return None
 
 
 class DataConfig(Section):
@@ -405,7 +439,7 @@ class Fault(Section):
 
 
 class HealthConfig(Section):
-    """Predictive maintenance (actors/health.py): each node's failure risk from its telemetry and its ranks' speed,
+    """Predictive maintenance (actors/health_watch.py): each node's failure risk from its telemetry and its ranks' speed,
     and a drain of a node at risk at a step boundary, onto ready warm-pool workers elsewhere."""
 
     action: Literal["drain", "observe"] = Field(
@@ -744,18 +778,8 @@ class Config(Section):
                 f"parallel.microbatches={par.microbatches} is below parallel.pp={par.pp}: the pipeline never fills"
             )
         for key, workers in (("num_workers", self.cluster.num_workers), ("max_workers", self.cluster.max_workers)):
-            if workers and workers % par.ranks:
-                raise ValueError(
-                    f"cluster.{key}={workers} is not a whole number of replicas of parallel.tp × parallel.pp = "
-                    f"{par.ranks} ranks"
-                )
-        per = par.microbatches if par.pp > 1 else 1
-        replicas = self.cluster.num_workers // par.ranks
-        if self.train.global_batch % (replicas * per):
-            raise ValueError(
-                f"train.global_batch={self.train.global_batch} must split into {replicas} replica(s) × "
-                f"{per} micro-batch(es) of equal size"
-            )
+            if workers and (why := par.misfit(workers, self.train.global_batch, f"cluster.{key}={workers}")):
+                raise ValueError(why)
         unsupported = {
             "comm.mode=ps": self.comm.mode == "ps",
             "comm.zero": self.comm.zero,

@@ -4,7 +4,7 @@ Rules for what precedes a failure (an Xid of that class, an uncorrectable ECC er
 drain now. Trends for the soft signals (single-bit ECC errors at a rising rate, heat with throttling, host memory
 running out, a rank slower than its peers beyond its own noise): each must hold for several readings in a row,
 because a node that is merely noisy must not be drained (a false positive costs capacity). Pure: readings and
-speeds in, `Risk` out; actors/health.py acts on it.
+speeds in, `Risk` out; actors/health_watch.py acts on it.
 """
 
 from __future__ import annotations

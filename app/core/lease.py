@@ -32,7 +32,7 @@ import fsspec
 from app.core.config import ConfigError
 from app.core.storage import STORAGE_ERRORS, StorageError, describe
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 LEASE = "lease.json"
 
@@ -75,7 +75,7 @@ def _take(path: str, run: str, ttl_s: float) -> Lease:
                 f"wait {max(0.0, held['ttl_s'] - age):.0f} s more for the lease to go stale"
             )
         if held is not None:
-            log.warning(
+            logger.warning(
                 "taking over the stale lease of host %s pid %s on run %s (renewed %.0f s ago)",
                 held["host"],
                 held["pid"],
@@ -122,7 +122,7 @@ def release(lease: Lease) -> None:
             fs, p = fsspec.core.url_to_fs(lease.path)
             fs.rm(p)
     except STORAGE_ERRORS as e:
-        log.warning(
+        logger.warning(
             "could not release the run's lease %s: %s (it goes stale in %.0f s)",
             lease.path,
             describe(e),
@@ -149,7 +149,7 @@ class Keeper:
                 self.lost = str(e)
                 return
             except STORAGE_ERRORS as e:  # tried again next time; a lease not renewed for ttl_s goes stale
-                log.warning("could not renew the run's lease %s: %s", self.lease.path, describe(e))
+                logger.warning("could not renew the run's lease %s: %s", self.lease.path, describe(e))
 
     def stop(self) -> None:
         self._stop.set()
@@ -225,7 +225,7 @@ def _swap(path: str, owner: dict, version: str | None) -> str | None:
         finally:
             os.close(directory)
         return hashlib.sha256(body).hexdigest()
-    log.warning("%s has no conditional writes here: the run's lease is advisory", path)
+    logger.warning("%s has no conditional writes here: the run's lease is advisory", path)
     fs.pipe_file(p, body)
     return hashlib.sha256(body).hexdigest()
 

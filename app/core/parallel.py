@@ -9,8 +9,6 @@ ranks of a TP group are consecutive, and land on one node when ranks are placed 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,19 +21,6 @@ from app.core.config import ParallelConfig
 from app.core.model import GPT, next_token_loss
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-
-
-@dataclass(frozen=True)
-class Coords:
-    """Where a rank sits: its replica (the data-parallel index), its pipeline stage, its tensor shard."""
-
-    replica: int
-    stage: int
-    shard: int
-
-
-def coords(rank: int, cfg: ParallelConfig) -> Coords:
-    return Coords(rank // cfg.ranks, rank // cfg.tp % cfg.pp, rank % cfg.tp)
 
 
 def make_mesh(world: int, cfg: ParallelConfig, device_type: str) -> DeviceMesh:
@@ -108,7 +93,7 @@ class _StageForward(nn.Module):
 
 
 def make_schedule(model: GPT, mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
-    stage = coords(dist.get_rank(), cfg).stage
+    stage = cfg.place(dist.get_rank()).stage
     pipe = PipelineStage(_StageForward(model), stage, cfg.pp, device, group=mesh["pp"].get_group())
     return SCHEDULES[cfg.schedule](pipe, n_microbatches=cfg.microbatches, loss_fn=next_token_loss, scale_grads=True)
 
@@ -200,7 +185,7 @@ class Replica:
 
     def __init__(self, model: GPT, mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
         self.cfg, self.mesh = cfg, mesh
-        self.at = coords(dist.get_rank(), cfg)
+        self.at = cfg.place(dist.get_rank())
         self.tied = tied_across_stages(model.cfg, cfg)
         if self.tied:  # the last stage keeps its own copy of the tied weight
             model.head.weight = nn.Parameter(model.embed.weight.detach().clone())

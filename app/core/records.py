@@ -40,7 +40,7 @@ class Train(Record):
     kind: ClassVar[str] = "train"
     world_size: int
     batch: int
-    samples: int  # the data cursor after the step
+    cursor: int  # the data cursor after the step: samples taken from the global order so far
     replicas: int | None = None  # model replicas that ran it: world_size / (tp × pp) of the layout then
     loss: float | None = None
     lr: float | None = None
@@ -84,7 +84,7 @@ class Membership(Record):
     """A group change at a step boundary; `phases` (CHANGE_PHASES) in seconds, `total_s` their sum."""
 
     kind: ClassVar[str] = "membership"
-    reason: str  # start, scale-out, scale-in, recover, preemption, drain (actors/health.py)
+    reason: str  # start, scale-out, scale-in, recover, preemption, drain (actors/health_watch.py)
     world_before: int
     world_after: int
     lost: int
@@ -118,7 +118,7 @@ class Outlier(Record):
     kind: ClassVar[str] = "outlier"
     grad_norm: float
     limit: float
-    samples: int
+    batch: int
     guard_restarted: bool
 
 
@@ -166,7 +166,7 @@ class Rewind:
 
 @dataclass
 class Health(Record):
-    """A node's risk changed level, or the job acted on it (actors/health.py). `action`: watch (risk at half of
+    """A node's risk changed level, or the job acted on it (actors/health_watch.py). `action`: watch (risk at half of
     health.drain_at or more), clear (below again), wait (to be drained, no replacement ready yet), drain (its members
     leave at this step boundary), release (its cool-down is over), lemon (drained health.lemon_drains times)."""
 
@@ -212,10 +212,21 @@ def read_jsonl(path: Path) -> list[dict]:
     records = []
     for line in path.read_text().splitlines():
         try:
-            records.append(json.loads(line))
+            records.append(_renamed(json.loads(line)))
         except json.JSONDecodeError:
             continue  # a line torn by a crash mid-write
     return records
+
+
+RENAMED = {("train", "samples"): "cursor", ("outlier", "samples"): "batch"}  # fields of older runs' records
+
+
+def _renamed(row: dict) -> dict:
+    """A record written before a field got its name, under that name: older run directories stay readable."""
+    for (kind, old), new in RENAMED.items():
+        if row.get("kind") == kind and old in row and new not in row:
+            row[new] = row.pop(old)
+    return row
 
 
 def read_json(path: Path) -> dict:
@@ -258,8 +269,8 @@ def summarize(metrics_path: Path, cfg: Config, started_at: float, first_step_at:
     seq = cfg.model.seq_len
     return {
         "steps": steps[-1]["step"] if steps else 0,
-        "samples": steps[-1]["samples"] if steps else 0,
-        "tokens": (steps[-1]["samples"] if steps else 0) * seq,
+        "samples": steps[-1]["cursor"] if steps else 0,
+        "tokens": (steps[-1]["cursor"] if steps else 0) * seq,
         "first_loss": train[0]["loss"] if train else None,
         "final_loss": train[-1]["loss"] if train else None,
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,

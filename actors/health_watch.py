@@ -22,12 +22,12 @@ from app.core.config import Config
 from app.core.health import Drift, NodeHealth, Risk, combine
 from app.core.records import Health
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class HealthWatch:
-    def __init__(self, cfg: Config, team, faults, log_):
-        self.cfg, self.c, self.team, self.faults, self.log = cfg, cfg.health, team, faults, log_
+    def __init__(self, cfg: Config, team, faults, log):
+        self.cfg, self.c, self.team, self.faults, self.log = cfg, cfg.health, team, faults, log
         self.nodes: dict[str, NodeHealth] = {}
         self.drift = Drift(self.c)
         self.script = ScriptedTelemetry(self.c.script) if self.c.script else None
@@ -36,8 +36,9 @@ class HealthWatch:
         self.actors: dict[str, object] = {}  # node -> its telemetry actor
         self.pending: dict[str, object] = {}  # node -> a reading asked for and not yet back
         self.heard: dict[str, float] = {}  # node -> when its telemetry last answered
-        self.avoid: dict[str, float] = {}  # node -> until when it gets no new workers
-        self.evict: set[str] = set()  # nodes whose members leave at the next step boundary
+        self.kept_off: dict[str, float] = {}  # node -> until when it gets no new workers
+        self.draining: set[str] = set()  # nodes whose members leave at the next step boundary
+        self.replacements = 0  # pool workers wanted beyond cluster.warm_pool: replacements for a node to drain
         self.drains: dict[str, int] = {}
         self.lemons: list[str] = []
         self._next_read = 0.0
@@ -69,7 +70,7 @@ class HealthWatch:
                     self._node(node).add(reading)
                 self.heard[node] = time.time()
             except ray.exceptions.RayError as e:  # Ray restarts it; a node that is gone leaves with its members
-                log.info("telemetry of node %s did not answer: %s", node, e)
+                logger.info("telemetry of node %s did not answer: %s", node, e)
         if time.monotonic() < self._next_read:
             return
         self._next_read = time.monotonic() + self.c.every_s
@@ -86,27 +87,28 @@ class HealthWatch:
     # -- what goes out ------------------------------------------------------------------------
 
     def watch(self, step: int) -> set[str]:
-        """At each step boundary: read, assess every node, act. The nodes whose members leave now."""
+        """At each step boundary: read, assess every node, act. The nodes whose members leave now (`draining`);
+        `kept_off` and `replacements` say where no new worker goes and how many the pool should add."""
         self._read()
         self.drift.forget(self.team.workers)
         members = self._members_by_node()
         for node in set(self.nodes) | set(members):
             self.risk[node] = risk = self._assess(node, members.get(node, []))
             self.log.dashboard.node_risk(node, risk.score)
-            if node in self.evict or self._cooldown_left(node, time.time()) is not None:
+            if node in self.draining or self._cooldown_left(node, time.time()) is not None:
                 continue  # leaving, or left and cooling down: nothing more to decide
             if risk.score >= self.c.drain_at and members.get(node):
                 self._drain(step, node, risk, len(members[node]))
                 continue
-            if self.avoid.get(node) == float("inf"):  # it waited for replacements, and its risk fell: a false alarm
-                del self.avoid[node]
-                self.team.extra_pool = 0
+            if self.kept_off.get(node) == float("inf"):  # it waited for replacements, and its risk fell: a false alarm
+                del self.kept_off[node]
+                self.replacements = 0
             if risk.score >= self.c.drain_at / 2:
                 self._mark(step, node, risk, "watch")
             elif self.level.get(node) in ("watch", "wait"):
                 self._mark(step, node, risk, "clear")
         self._cool_down(step, members)
-        return set(self.evict)
+        return set(self.draining)
 
     def _assess(self, node: str, members: list) -> Risk:
         health = self._node(node)
@@ -120,14 +122,14 @@ class HealthWatch:
         if self.c.action == "observe":
             self._mark(step, node, risk, "watch")
             return
-        self.avoid[node] = float("inf")  # no new worker there, from now on
-        ready = self.team.ready_elsewhere(set(self.avoid))
+        self.kept_off[node] = float("inf")  # no new worker there, from now on
+        ready = self.team.ready_elsewhere(set(self.kept_off))
         remaining = len(self.team.workers) - leaving  # a live member must stay: the joiners take its state
         if not (remaining >= self.cfg.cluster.min_workers and (ready >= leaving or risk.hard)):
-            self.team.extra_pool = max(self.team.extra_pool, leaving - ready)
+            self.replacements = max(self.replacements, leaving - ready)
             self._mark(step, node, risk, "wait")
             return
-        self.evict.add(node)
+        self.draining.add(node)
         self.drains[node] = self.drains.get(node, 0) + 1
         self._mark(step, node, risk, "drain")
         if self.drains[node] >= self.c.lemon_drains and node not in self.lemons:
@@ -138,13 +140,13 @@ class HealthWatch:
         """A drained node without members starts its cool-down; one whose cool-down is over may take workers again,
         with its history cleared (a lemon stays listed)."""
         now = time.time()
-        for node in [n for n in self.evict if not members.get(n)]:
-            self.evict.discard(node)
-            self.avoid[node] = now + self.c.cooldown_s
-            self.team.extra_pool = 0
-        for node, until in list(self.avoid.items()):
+        for node in [n for n in self.draining if not members.get(n)]:
+            self.draining.discard(node)
+            self.kept_off[node] = now + self.c.cooldown_s
+            self.replacements = 0
+        for node, until in list(self.kept_off.items()):
             if until <= now:
-                del self.avoid[node]
+                del self.kept_off[node]
                 self.nodes.pop(node, None)
                 self._mark(step, node, self.risk.get(node, combine([], [], False)), "release")
 
@@ -161,7 +163,7 @@ class HealthWatch:
         self.level[node] = action
         self.log.record(Health(step, node, risk.score, risk.reasons, action, risk.synthetic))
         if action in ("drain", "wait", "lemon"):
-            log.warning("node %s: risk %.2f (%s): %s", node[:12], risk.score, "; ".join(risk.reasons), action)
+            logger.warning("node %s: risk %.2f (%s): %s", node[:12], risk.score, "; ".join(risk.reasons), action)
 
     def status(self) -> dict:
         """Per node: its risk, reasons and state (what `etrain status` shows); the lemons."""
@@ -180,7 +182,7 @@ class HealthWatch:
         return {"nodes": nodes, "lemons": list(self.lemons)}
 
     def _cooldown_left(self, node: str, now: float) -> float | None:
-        until = self.avoid.get(node, float("inf"))  # inf: waiting to be drained, not cooling down
+        until = self.kept_off.get(node, float("inf"))  # inf: waiting to be drained, not cooling down
         return max(0.0, until - now) if until < float("inf") else None
 
     def close(self) -> None:
