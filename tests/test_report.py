@@ -149,3 +149,25 @@ def test_report_leaves_matplotlib_to_whoever_makes_one(tmp_path):
         f"write_report({str(run)!r}); assert 'matplotlib.pyplot' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+def test_records_of_an_older_run_are_read_under_todays_names(tmp_path):
+    """Fields renamed since (a train record's data cursor, an outlier's batch) read under their new names; a record
+    with both keeps today's, and other kinds keep a field of the old name."""
+    from app.core.config import load_config
+    from app.core.records import read_jsonl, summarize
+
+    old = [
+        {"kind": "train", "step": 1, "world_size": 2, "batch": 16, "samples": 16, "time": T0},
+        {"kind": "train", "step": 2, "world_size": 2, "batch": 16, "samples": 32, "time": T0 + 1},
+        {"kind": "outlier", "step": 2, "grad_norm": 9.0, "limit": 3.0, "samples": 16, "guard_restarted": False},
+        {"kind": "train", "step": 3, "world_size": 2, "batch": 16, "samples": 0, "cursor": 48, "time": T0 + 2},
+        {"kind": "quarantine", "samples": [1, 2]},
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    rows = read_jsonl(path)
+    assert [r.get("cursor") for r in rows[:2]] == [16, 32] and not any("samples" in r for r in rows[:3])
+    assert rows[2]["batch"] == 16 and rows[3]["cursor"] == 48 and rows[4]["samples"] == [1, 2]
+    summary = summarize(path, load_config("tiny"), T0, T0)
+    assert (summary["steps"], summary["samples"]) == (3, 48)
