@@ -439,8 +439,8 @@ class Fault(Section):
 
 
 class HealthConfig(Section):
-    """Predictive maintenance (actors/health_watch.py): each node's failure risk from its telemetry and its ranks' speed,
-    and a drain of a node at risk at a step boundary, onto ready warm-pool workers elsewhere."""
+    """Predictive maintenance (actors/health_watch.py): each node's failure risk from its telemetry and its ranks'
+    speed, and a drain of a node at risk at a step boundary, onto ready warm-pool workers elsewhere."""
 
     action: Literal["drain", "observe"] = Field(
         "drain", description="drain: move off a node whose risk reaches drain_at; observe: score and record only"
