@@ -39,8 +39,9 @@ from pipelines.stream import StreamingReader
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
-    """RNG state as a pure function of (seed, step number, rank): nothing to checkpoint, exact on resume."""
-    return (seed * 1_000_003 + step * 7_919 + rank) % 2**63
+    """RNG state as a pure function of (seed, step number, rank): nothing to checkpoint, exact on resume. Step N
+    draws what it drew when workers counted steps from 0, so a run resumed across that change stays exact."""
+    return (seed * 1_000_003 + (step - 1) * 7_919 + rank) % 2**63
 
 
 def make_engine(cfg: Config, device: torch.device) -> Engine:
@@ -286,6 +287,7 @@ class TrainWorker:
         """Pull, compute the gradient of `ids`, push it; return once an update holds it."""
         started = time.perf_counter()
         torch.manual_seed(self._begin(step, fault))
+        self.engine.pull()  # the shards count this worker as computing from now on
         rows, data = self.train_data.get(ids, cursor)
         pushed = self.engine.push_step(self._tensor(rows), self.injected)
         return pushed | {"worker_s": time.perf_counter() - started, "data": data}

@@ -35,8 +35,7 @@ class ParamServer(DataParallel):
                     params[name].copy_(tensor)
 
     def push_step(self, rows: torch.Tensor, injected: Injected) -> dict:
-        """Pull, compute the gradient of `rows`, push it; return once an update holds it."""
-        self.pull()
+        """Compute the gradient of `rows` on the parameters pulled last, push it; return once an update holds it."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         computing = time.perf_counter()
