@@ -19,7 +19,6 @@ from app.core.local_ranks import local_group
 from app.core.model import GPT
 from app.core.optim import make_optimizer
 from app.core.parallel import Replica, make_mesh, stage_layers
-from app.core.ports import free_port
 
 MODEL = ModelConfig(n_layer=4, n_head=4, d_model=32, seq_len=16, vocab_size=64)
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=0, grad_clip=0.5)
@@ -142,16 +141,20 @@ def test_etrain_train_refuses_a_layout_the_model_cannot_take_before_making_a_run
     assert not list(tmp_path.iterdir())
 
 
-def _generations(plan: list[tuple[int, int, int, int]], out) -> None:
-    """One process through several groups in turn, as a warm worker goes: (generation, rank, world, port) each;
-    each group's step (loss, grad norm) put on `out`, or the traceback."""
+def _generations(plan: list[tuple[int, int, int, str]], out) -> None:
+    """One process through several groups in turn, as a warm worker goes: (generation, rank, world, rendezvous
+    file) each; each group's step (loss, grad norm) put on `out`, or the traceback."""
     import traceback
 
     torch.set_num_threads(1)
     cfg = ParallelConfig(tp=2)
     rows = batches()[0]
-    for generation, rank, world, port in plan:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    for generation, rank, world, meet in plan:
+        try:  # a file to meet at, not a port chosen ahead: nothing else on the machine can take it meanwhile
+            dist.init_process_group("gloo", init_method=f"file://{meet}", rank=rank, world_size=world)
+        except Exception:
+            out.put((generation, rank, traceback.format_exc()))
+            return
         try:
             torch.manual_seed(0)
             replica = Replica(GPT(MODEL), make_mesh(world, cfg, "cpu"), cfg, torch.device("cpu"))
@@ -166,7 +169,7 @@ def _generations(plan: list[tuple[int, int, int, int]], out) -> None:
 
 
 @pytest.mark.parametrize("lost_replica", [0, 1])
-def test_survivors_renumbered_into_a_new_mesh_reach_its_groups_not_a_stale_one(lost_replica):
+def test_survivors_renumbered_into_a_new_mesh_reach_its_groups_not_a_stale_one(lost_replica, tmp_path):
     """Two replicas of tp=2; one replica is lost, the other goes on alone as ranks 0 and 1, then a new replica
     joins as ranks 2 and 3. Issue 27's defect 1: when replica 0 was lost, the survivors (ranks 2 and 3 before)
     failed in the third group with "Could not resolve the process group registered under the name 8": DTensor's
@@ -181,12 +184,12 @@ def test_survivors_renumbered_into_a_new_mesh_reach_its_groups_not_a_stale_one(l
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    ports = [free_port() for _ in range(3)]
+    meet = [str(tmp_path / f"generation-{g}") for g in range(3)]
     survivors = [r for r in range(4) if r // 2 != lost_replica]
-    plans = {old: [(0, old, 4, ports[0])] for old in range(4)}
+    plans = {old: [(0, old, 4, meet[0])] for old in range(4)}
     for new, old in enumerate(survivors):
-        plans[old] += [(1, new, 2, ports[1]), (2, new, 4, ports[2])]
-    plans |= {f"joiner{r}": [(2, r, 4, ports[2])] for r in (2, 3)}
+        plans[old] += [(1, new, 2, meet[1]), (2, new, 4, meet[2])]
+    plans |= {f"joiner{r}": [(2, r, 4, meet[2])] for r in (2, 3)}
     procs = [ctx.Process(target=_generations, args=(plan, out), daemon=True) for plan in plans.values()]
     for p in procs:
         p.start()
