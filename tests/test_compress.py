@@ -18,7 +18,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from actors.worker.compress import SEGMENT, GradSync, topk_compress, topk_decompress, topk_kept
-from app.core.ports import free_port
 
 WORLD = 2
 BUCKET_MB = 0.1  # two buckets once DDP rebuilds them after step 0; the 256x256 one spans three top-k segments
@@ -126,10 +125,10 @@ def error_feedback(rank: int) -> dict:
     return out
 
 
-def rank_main(rank: int, port: int, out_dir: str) -> None:
+def rank_main(rank: int, meet: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks on two cores
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30)
+        "gloo", init_method=f"file://{meet}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30)
     )
     results = {mode: round_trip(rank, mode) for mode in ("none", "fp16", "bf16", "powersgd", "topk")}
     results["error_feedback"] = error_feedback(rank)
@@ -140,7 +139,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("gradsync")
-    mp.spawn(rank_main, args=(free_port(), str(out)), nprocs=WORLD)
+    mp.spawn(rank_main, args=(str(out / "meet"), str(out)), nprocs=WORLD)  # a file: no port to lose to a race
     return [torch.load(out / f"{rank}.pt") for rank in range(WORLD)]
 
 
