@@ -4,15 +4,16 @@ tests and benchmark run on these (app/core/parallel.py)."""
 from __future__ import annotations
 
 import io
+import tempfile
 import traceback
 import weakref
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from app.core.parallel import shard_of
-from app.core.ports import free_port
 
 
 def tensor_bytes(tensors) -> int:
@@ -72,8 +73,9 @@ def local_group(world: int, fn, *args) -> dict[int, object]:
     benchmark. A rank that fails fails the call, with its traceback."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_local_rank, args=(r, world, port, fn, args, out), daemon=True) for r in range(world)]
+    meeting = tempfile.TemporaryDirectory(prefix="etrain-ranks-")  # ranks meet at a file: no port to lose to a race
+    meet = str(Path(meeting.name) / "meet")
+    procs = [ctx.Process(target=_local_rank, args=(r, world, meet, fn, args, out), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -88,12 +90,17 @@ def local_group(world: int, fn, *args) -> dict[int, object]:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        meeting.cleanup()
     return results
 
 
-def _local_rank(rank: int, world: int, port: int, fn, args, out) -> None:
+def _local_rank(rank: int, world: int, meet: str, fn, args, out) -> None:
     torch.set_num_threads(1)  # one core per rank: ranks share this host's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{meet}", rank=rank, world_size=world)
+    except Exception:
+        out.put((rank, False, traceback.format_exc()))
+        return
     try:
         result = io.BytesIO()  # by value: a tensor shared by handle would die with this process
         torch.save(fn(rank, world, *args), result)
