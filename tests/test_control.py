@@ -38,6 +38,11 @@ def test_next_state(state, o, expected):
     assert next_state(state, o) == expected
 
 
+def test_every_live_state_can_reach_finished():
+    for state in set(State) - {State.FINISHED, State.FAILED}:
+        assert next_state(state, obs(step=10)) == State.FINISHED, state
+
+
 END = {State.FINISHED, State.FAILED}  # a job that ended stays ended, whatever is observed after
 
 
