@@ -132,13 +132,9 @@ class DataParallel(Engine):
             parts[f"residual-{self.rank:03d}.pt"] = self.sync.saved(list(self.model.named_parameters()), self.applied)
         return parts, weights
 
-    def optimizer_bytes(self) -> int:
-        """ZeRO-1 keeps 1/world of it."""
-        if not self.sharded:
-            return super().optimizer_bytes()
-        local = self.optimizer.optim
-        tensors = (t for st in local.state.values() for t in st.values() if torch.is_tensor(t))
-        return sum(t.numel() * t.element_size() for t in tensors)
+    def held_optimizer(self) -> torch.optim.Optimizer:
+        """ZeRO-1 holds 1/world of the state, in the optimizer it wraps."""
+        return self.optimizer.optim if self.sharded else self.optimizer
 
     def _shard_optimizer(self) -> None:
         """ZeRO-1 over the current group: keep only this rank's shard of the optimizer state.

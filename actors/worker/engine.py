@@ -75,8 +75,13 @@ class Engine:
 
     def optimizer_bytes(self) -> int:
         """Optimizer state this worker holds."""
-        tensors = (_local(t) for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t))
+        held = self.held_optimizer()
+        tensors = (_local(t) for st in held.state.values() for t in st.values() if torch.is_tensor(t))
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def held_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose state this rank holds (ZeRO-1's wraps a shard's)."""
+        return self.optimizer
 
     # -- shared by the engines -----------------------------------------------------------
 
