@@ -35,6 +35,7 @@ class Progress:
         self.started = time.monotonic()
         self.next_line = self.started + every
         self.last: dict | None = None
+        self.printed: int | None = None  # the step of the last line printed
         self._phase = "starting"
 
     def phase(self, phase: str) -> None:
@@ -74,8 +75,8 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        elif self.enabled and self.last is not None:
-            self._line()
+        elif self.enabled and self.last is not None and self.last["step"] != self.printed:
+            self._line()  # the last step's line, unless an interval's line just said it
 
     def _line(self) -> None:
         from tqdm import tqdm
@@ -92,3 +93,4 @@ class Progress:
             flush=True,
         )
         self.next_line = time.monotonic() + self.every
+        self.printed = r["step"]

@@ -8,12 +8,30 @@ import time
 import pytest
 
 from app.job import new_run_dir, train
+from app.progress import Progress
 
 from runs import FAST, start_driver
 
-pytestmark = pytest.mark.usefixtures("ray_session")
+
+def record(step: int) -> dict:
+    return {"step": step, "loss": 2.0, "tokens_per_s": 1000.0, "world_size": 2}
 
 
+@pytest.mark.parametrize("interval_at_end", [True, False])
+def test_the_last_step_is_printed_once_whether_or_not_an_interval_just_printed_it(interval_at_end, capsys):
+    """CI at 66b01c9: the interval's line fell on step 150 and close() printed step 150 again."""
+    progress = Progress(total=3, every=3600.0)
+    progress.step(record(1))
+    progress.step(record(2))
+    if interval_at_end:
+        progress.next_line = 0.0  # the interval is due as the last step commits
+    progress.step(record(3))
+    progress.close()
+    steps = [int(m) for m in re.findall(r"^step (\d+)/3 ", capsys.readouterr().err, re.M)]
+    assert steps == [3]
+
+
+@pytest.mark.usefixtures("ray_session")
 def test_off_a_terminal_progress_is_one_line_per_interval(make_cfg, capsys):
     """Issue 16, item 2: under `ray job logs` the bar printed 470-542 lines for 300 steps, steps repeated."""
     cfg = make_cfg(*FAST, "run.name=lines", "train.steps=150", "train.eval_every=50")
@@ -32,6 +50,7 @@ def test_off_a_terminal_progress_is_one_line_per_interval(make_cfg, capsys):
     assert len([line for line in err.splitlines() if re.match(r"step \d+: eval loss", line)]) == 3
 
 
+@pytest.mark.usefixtures("ray_session")
 def test_a_recovery_shows_our_line_and_keeps_rays_noise_in_the_log(make_cfg, tmp_path):
     """Issue 16, item 2: a recovered worker death printed Ray's raylet paragraph and "Unhandled error"
     tracebacks ahead of the one-line `recover` message. The driver's terminal has our line; the log has Ray's."""
