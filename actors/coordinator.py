@@ -360,7 +360,7 @@ class Coordinator:
         return par.model_dump() | {"ranks": par.ranks, "replicas": par.replicas(len(self.team.workers))}
 
     def request_scale(self, workers: int | None = None, replicas: int | None = None) -> None:
-        """Ask for `workers` members, or `replicas` replicas of tp × pp members; they join at step boundaries as
+        """Ask for `workers` members, or `replicas` replicas of tp × pp × shard members; they join at step boundaries as
         ready workers allow. A manual request pins the size: the autoscaling policy stops for this run."""
         par = self.cfg.parallel
         if replicas is not None:

@@ -7,7 +7,7 @@ under a new store prefix. No restart, no checkpoint load, except where ZeRO-1 lo
 
 With a layout (parallel.tp × parallel.pp ranks per replica) the unit is the replica: members are kept
 in whole replicas, in rank order (rank = replica · ranks + stage · tp + shard), a replica missing a rank
-leaves whole (its live ranks back to the pool), and joiners come tp × pp at a time, each rank taking the
+leaves whole (its live ranks back to the pool), and joiners come tp × pp × shard at a time, each rank taking the
 state of its twin: the rank at the same place in a live replica.
 Each change is a `membership` record with its phases (CHANGE_PHASES), closed by the first step
 after it.

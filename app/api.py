@@ -60,8 +60,8 @@ def status(run: str) -> dict:
 
 
 def scale(run: str, workers: int | None = None, replicas: int | None = None) -> dict:
-    """Ask for `workers` members, or `replicas` model replicas (tp × pp workers each), from the next step boundary
-    on; returns the status at the time of asking."""
+    """Ask for `workers` members, or `replicas` model replicas (tp × pp × shard workers each), from the next step
+    boundary on; returns the status at the time of asking."""
     handle = coordinator(run)
     try:
         ray.get(handle.request_scale.remote(workers, replicas), timeout=CONNECT_S)

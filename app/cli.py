@@ -287,14 +287,16 @@ def _status_text(st: dict) -> str:
     lay = st.get("layout")
     if lay and lay["ranks"] > 1:
         pipeline = f", {lay['schedule']} over {lay['microbatches']} micro-batches" if lay["pp"] > 1 else ""
-        shape = f"tp {lay['tp']} × pp {lay['pp']} = {lay['ranks']} ranks"
+        shape = f"tp {lay['tp']} × pp {lay['pp']} × shard {lay.get('shard', 1)} = {lay['ranks']} ranks"
         lines.append(f"  layout: {lay['replicas']} replica(s) of {shape}{pipeline}")
     if st["draining_nodes"]:
         lines.append(f"  draining nodes (preemption or health): {', '.join(map(node, st['draining_nodes']))}")
     lines += _health_lines(health, node)
     for m in st["members"]:
         speed = f"{m['speed']:.1f} samples/s" if m["speed"] else "speed not measured yet"
-        place = f"  replica {m['replica']} stage {m['stage']} shard {m['shard']}" if "replica" in m else ""
+        place = ""
+        if "replica" in m:
+            place = f"  replica {m['replica']} stage {m['stage']} shard {m['shard']} tp_rank {m['tp_rank']}"
         lines.append(f"    rank {m['rank']}: node {node(m['node'])} pid {m['pid']}{place}  {speed}")
     return "\n".join(lines)
 
@@ -606,12 +608,12 @@ def _parser() -> argparse.ArgumentParser:
         "scale",
         cmd_scale,
         "resize a running job at its next step boundary",
-        "etrain scale runs/20261129-123456 --workers 3   (or --replicas 2 with parallel.tp × parallel.pp > 1)",
+        "etrain scale runs/20261129-123456 --workers 3   (or --replicas 2 with a layout: parallel.tp, pp or shard > 1)",
     )
     p.add_argument("run", help="the run directory (or its name)")
     wanted = p.add_mutually_exclusive_group(required=True)
-    wanted.add_argument("--workers", type=int, help="workers wanted (with a layout, a multiple of tp × pp)")
-    wanted.add_argument("--replicas", type=int, help="model replicas wanted, tp × pp workers each")
+    wanted.add_argument("--workers", type=int, help="workers wanted (with a layout, a multiple of tp × pp × shard)")
+    wanted.add_argument("--replicas", type=int, help="model replicas wanted, tp × pp × shard workers each")
 
     p = command(
         "status",

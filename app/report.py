@@ -63,8 +63,8 @@ def _layout(run_dir: Path) -> dict:
 
     path = run_dir / "config.yaml"
     saved = (yaml.safe_load(path.read_text()) or {}).get("parallel") if path.is_file() else None
-    layout = {"tp": 1, "pp": 1, "microbatches": 1, "schedule": "1f1b"} | (saved or {})
-    return layout | {"ranks": layout["tp"] * layout["pp"]}
+    layout = {"tp": 1, "pp": 1, "shard": 1, "microbatches": 1, "schedule": "1f1b"} | (saved or {})
+    return layout | {"ranks": layout["tp"] * layout["pp"] * layout["shard"]}
 
 
 def _load(run_dir: Path) -> list[dict]:
@@ -341,7 +341,8 @@ def _html(name: str, summary: dict, plots: dict[str, Path]) -> str:
         pipeline = f", {lay['schedule']} over {lay['microbatches']} micro-batches" if lay["pp"] > 1 else ""
         fewest, most = lay["replicas"][0], lay["replicas"][-1]
         counts = str(most) if fewest == most else f"{fewest}–{most}"
-        rows.append(("layout", f"tp {lay['tp']} × pp {lay['pp']}{pipeline}; replicas {counts}"))
+        shard = f" × shard {lay['shard']}" if lay.get("shard", 1) > 1 else ""
+        rows.append(("layout", f"tp {lay['tp']} × pp {lay['pp']}{shard}{pipeline}; replicas {counts}"))
     rows += [
         ("membership changes", ", ".join(f"{k} {v}" for k, v in summary["membership"].items()) or "none"),
         ("checkpoints committed", summary["checkpoints"]),

@@ -79,8 +79,11 @@ def train_rank(
         (1, dict(pp=2, microbatches=4, schedule="gpipe")),
         (1, dict(tp=2, pp=2, microbatches=2)),
         (2, dict(tp=2)),
+        (1, dict(shard=2)),
+        (1, dict(tp=2, shard=2)),
+        (2, dict(shard=2)),
     ],
-    ids=["tp2", "pp2-1f1b", "pp2-gpipe", "tp2xpp2", "2-replicas-of-tp2"],
+    ids=["tp2", "pp2-1f1b", "pp2-gpipe", "tp2xpp2", "2-replicas-of-tp2", "shard2", "tp2xshard2", "2-replicas-of-shard2"],
 )
 def test_a_layout_follows_the_single_process_losses_and_gradients(single, replicas, layout):
     expected_losses, expected_grads = single
@@ -96,9 +99,14 @@ def test_a_layout_follows_the_single_process_losses_and_gradients(single, replic
 
 
 TP2_PP2 = dict(tp=2, pp=2, microbatches=2)
+TP2_SHARD2 = dict(tp=2, shard=2)
 
 
-@pytest.mark.parametrize("saved_by, resumed_by", [(TP2_PP2, {}), ({}, TP2_PP2)], ids=["tp2xpp2-to-1", "1-to-tp2xpp2"])
+@pytest.mark.parametrize(
+    "saved_by, resumed_by",
+    [(TP2_PP2, {}), ({}, TP2_PP2), (TP2_SHARD2, dict(shard=2)), (dict(shard=2), TP2_PP2)],
+    ids=["tp2xpp2-to-1", "1-to-tp2xpp2", "tp2xshard2-to-shard2", "shard2-to-tp2xpp2"],
+)
 def test_a_state_saved_by_one_layout_resumes_in_another_on_the_same_trajectory(single, saved_by, resumed_by):
     """Weights and AdamW moments by whole-model name: halfway through, the state moves to the other layout, and
     the second half's losses are the single process's."""
@@ -125,8 +133,12 @@ def test_stages_split_the_blocks_evenly_middle_stages_first():
         (["parallel.pp=2", "parallel.microbatches=1"], "parallel.microbatches=1 is below parallel.pp=2"),
         (["parallel.tp=2", "cluster.num_workers=3"], "cluster.num_workers=3 is not a whole number of replicas"),
         (["parallel.pp=2", "train.global_batch=30"], "train.global_batch=30 must split into 1 replica"),
-        (["parallel.tp=2", "comm.mode=ps"], "comm.mode=ps with parallel.tp × parallel.pp > 1 is not supported yet"),
+        (["parallel.tp=2", "comm.mode=ps"], "comm.mode=ps with parallel.tp × parallel.pp × parallel.shard > 1 is not"),
         (["parallel.tp=2", "comm.compression=topk"], "comm.compression=topk with parallel"),
+        (["parallel.pp=2", "parallel.shard=2"], "parallel.pp=2 with parallel.shard=2 is not supported yet"),
+        (["parallel.shard=2", "comm.zero=true"], "comm.zero with parallel.tp × parallel.pp × parallel.shard > 1"),
+        (["parallel.shard=2", "cluster.num_workers=3"], "parallel.tp × parallel.pp × parallel.shard = 2 ranks"),
+        (["parallel.shard=4", "cluster.num_workers=4", "train.global_batch=6"], "a multiple of 4"),
     ],
 )
 def test_a_layout_the_model_or_batch_cannot_take_is_refused_by_name(overrides, message):

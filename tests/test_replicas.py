@@ -101,13 +101,13 @@ def test_a_rank_lost_takes_its_replica_out_and_a_replica_formed_from_the_pool_ta
 
     status = json.loads((run_dir / "status.json").read_text())  # what `etrain status` and the API show
     assert status["layout"] | {"microbatches": 0} == {
-        "tp": 2, "pp": 1, "microbatches": 0, "schedule": "1f1b", "ranks": 2, "replicas": 2,
+        "tp": 2, "pp": 1, "shard": 1, "microbatches": 0, "schedule": "1f1b", "ranks": 2, "replicas": 2,
     }  # fmt: skip
-    places = [(m["rank"], m["replica"], m["stage"], m["shard"]) for m in status["members"]]
-    assert places == [(0, 0, 0, 0), (1, 0, 0, 1), (2, 1, 0, 0), (3, 1, 0, 1)]
+    places = [(m["rank"], m["replica"], m["stage"], m["shard"], m["tp_rank"]) for m in status["members"]]
+    assert places == [(0, 0, 0, 0, 0), (1, 0, 0, 0, 1), (2, 1, 0, 0, 0), (3, 1, 0, 0, 1)]
     shown = _status_text(status)
-    assert "layout: 2 replica(s) of tp 2 × pp 1 = 2 ranks" in shown and "rank 3: " in shown
-    assert "replica 1 stage 0 shard 1" in shown
+    assert "layout: 2 replica(s) of tp 2 × pp 1 × shard 1 = 2 ranks" in shown and "rank 3: " in shown
+    assert "replica 1 stage 0 shard 0 tp_rank 1" in shown
     report = write_report(run_dir)
     assert report["summary"]["layout"]["replicas"] == [1, 2]
     assert "tp 2 × pp 1; replicas 1–2" in report["html"].read_text()

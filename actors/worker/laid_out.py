@@ -51,7 +51,7 @@ class LaidOut(Engine):
             self.optimizer = make_optimizer(self.replica.model, self.cfg.optim)
             self.scheduler = make_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.steps)
             self.scheduler.load_state_dict(self.held["scheduler"])
-            if tuple(self.held["at"]) == (at.stage, at.shard):
+            if tuple(self.held["at"]) == at.place:
                 load_local(self.replica, self.optimizer, self.held)
             else:
                 self.applied = -1
@@ -96,7 +96,7 @@ class LaidOut(Engine):
         """Every rank of the replica runs it; the replica's first rank answers."""
         with self.autocast():
             mean = self.replica.evaluate(rows[:, :-1], rows[:, 1:], self.cfg.train.micro_batch)
-        first = self.replica.at.stage == 0 and self.replica.at.shard == 0
+        first = self.replica.at.place == (0, 0, 0)
         return (mean * len(rows), len(rows)) if first else (0.0, 0)
 
     def state(self) -> dict:

@@ -101,20 +101,31 @@ class ModelConfig(Section):
 
 @dataclass(frozen=True)
 class Coords:
-    """Where a rank sits: its replica (the data-parallel index), its pipeline stage, its tensor shard."""
+    """Where a rank sits: its replica (the data-parallel index), its pipeline stage, its parameter shard (of
+    parallel.shard) and its tensor slice (of parallel.tp)."""
 
     replica: int
     stage: int
     shard: int
+    tp_rank: int
+
+    @property
+    def place(self) -> tuple[int, int, int]:
+        """Its place in a replica, which a rank of another replica at the same place (its twin) shares."""
+        return self.stage, self.shard, self.tp_rank
 
 
 class ParallelConfig(Section):
     """How one model replica is laid out (app/core/parallel.py): `tp` ranks split each block's tensors, `pp` ranks
-    split the blocks into pipeline stages. A replica is tp × pp ranks; the data-parallel degree is the number of
-    replicas, workers / (tp × pp)."""
+    split the blocks into pipeline stages, `shard` ranks split every parameter, its gradient and its optimizer
+    state (FSDP2), each computing on its part of the replica's batch. A replica is tp × pp × shard ranks, the unit
+    that joins and leaves; the data-parallel degree is the number of replicas, workers / (tp × pp × shard)."""
 
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per replica (one node): each holds n_head / tp heads")
     pp: int = Field(1, ge=1, description="pipeline stages per replica: each holds about n_layer / pp blocks")
+    shard: int = Field(
+        1, ge=1, description="ranks per replica sharing its parameters, gradients and optimizer state (FSDP2)"
+    )
     microbatches: int = Field(4, ge=1, description="pipeline micro-batches per step (pp > 1); at least pp")
     schedule: Literal["1f1b", "gpipe"] = Field(
         "1f1b", description="1f1b: each micro-batch's activations freed after its backward, soon; gpipe: all at the end"
@@ -123,24 +134,31 @@ class ParallelConfig(Section):
     @property
     def ranks(self) -> int:
         """Ranks per replica."""
-        return self.tp * self.pp
+        return self.tp * self.pp * self.shard
 
     @property
     def per_replica(self) -> int:
-        """A replica's share of a batch comes in multiples of this many samples: its pipeline micro-batches."""
-        return self.microbatches if self.pp > 1 else 1
+        """A replica's share of a batch comes in multiples of this many samples: one per shard rank, each in its
+        pipeline micro-batches."""
+        return (self.microbatches if self.pp > 1 else 1) * self.shard
 
     def replicas(self, workers: int) -> int:
         return workers // self.ranks
 
     def place(self, rank: int) -> Coords:
-        return Coords(rank // self.ranks, rank // self.tp % self.pp, rank % self.tp)
+        """Rank order is TP fastest, then shard, then stage: rank = ((replica · pp + stage) · shard + shard) · tp +
+        tp_rank, so a TP group's ranks are consecutive and land on one node when ranks are placed in order."""
+        tp, shard = self.tp, self.shard
+        return Coords(rank // self.ranks, rank // (tp * shard) % self.pp, rank // tp % shard, rank % tp)
 
     def misfit(self, workers: int, global_batch: int, what: str) -> str | None:
         """Why `workers` (named `what`) cannot train batches of `global_batch` samples in this layout, or None:
         they must form whole replicas, and the batch split into a whole number of micro-batches for each."""
         if workers % self.ranks:
-            return f"{what} is not a whole number of replicas of parallel.tp × parallel.pp = {self.ranks} ranks"
+            return (
+                f"{what} is not a whole number of replicas of parallel.tp × parallel.pp × parallel.shard = "
+                f"{self.ranks} ranks"
+            )
         replicas, per = self.replicas(workers), self.per_replica
         if global_batch % per or global_batch < replicas * per:
             return (
@@ -729,7 +747,7 @@ class Config(Section):
             f"comm.compression={self.comm.compression}": self.comm.compression in ("topk", "powersgd"),
             "train.precision=fp16": self.train.precision == "fp16",
             "train.batch_scaling=linear": self.train.batch_scaling == "linear",
-            "parallel.tp × parallel.pp > 1": self.parallel.ranks > 1,
+            "parallel.tp × parallel.pp × parallel.shard > 1": self.parallel.ranks > 1,
             "faults of kind slow, nan, spike, degrade or noisy": any(
                 f.kind in ("slow", "nan", "spike", "degrade", "noisy") for f in self.faults
             ),
@@ -763,7 +781,8 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _layout(self) -> Config:
-        """What a tp × pp replica needs of the model and the batch, and what it does not support yet, by name."""
+        """What a tp × pp × shard replica needs of the model and the batch, and what it does not support yet, by
+        name."""
         par, m = self.parallel, self.model
         if par.ranks == 1:
             return self
@@ -773,6 +792,11 @@ class Config(Section):
             )
         if m.n_layer < par.pp:
             raise ValueError(f"parallel.pp={par.pp} exceeds model.n_layer={m.n_layer}: every stage needs a block")
+        if par.pp > 1 and par.shard > 1:
+            raise ValueError(
+                f"parallel.pp={par.pp} with parallel.shard={par.shard} is not supported yet: a pipeline stage's "
+                "parameters are not sharded; use parallel.tp with parallel.shard, or parallel.pp alone"
+            )
         if par.pp > 1 and par.microbatches < par.pp:
             raise ValueError(
                 f"parallel.microbatches={par.microbatches} is below parallel.pp={par.pp}: the pipeline never fills"
@@ -794,8 +818,8 @@ class Config(Section):
         refused = [name for name, used in unsupported.items() if used]
         if refused:
             raise ValueError(
-                f"{', '.join(refused)} with parallel.tp × parallel.pp > 1 is not supported yet; "
-                "leave it out, or train with parallel.tp=1 parallel.pp=1"
+                f"{', '.join(refused)} with parallel.tp × parallel.pp × parallel.shard > 1 is not supported yet; "
+                "leave it out, or train with parallel.tp=1 parallel.pp=1 parallel.shard=1"
             )
         return self
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from app.core.parallel import Replica, shard_of
 
@@ -22,7 +22,7 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 def full_state(replica: Replica, optimizer: torch.optim.Optimizer) -> dict | None:
     """{"model": name -> tensor, "optim": name -> AdamW state} of the whole model, on each replica's first rank
-    (stage 0, shard 0); None on the others."""
+    (stage 0, shard 0, tp_rank 0); None on the others."""
     model = {name: whole(t) for name, t in replica.model.state_dict().items()}
     optim = {}
     for name, p in replica.model.named_parameters():
@@ -37,7 +37,7 @@ def full_state(replica: Replica, optimizer: torch.optim.Optimizer) -> dict | Non
         if parts is None:
             return None
         mine = {key: {k: v for part in parts for k, v in part[key].items()} for key in ("model", "optim")}
-    return mine if replica.at.shard == 0 else None
+    return mine if replica.at.shard == 0 and replica.at.tp_rank == 0 else None
 
 
 def load_full(replica: Replica, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -52,14 +52,14 @@ def load_full(replica: Replica, optimizer: torch.optim.Optimizer, state: dict) -
 
 
 def _part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `full`, shaped as `like` is held here (a TP shard is an even chunk along its dim)."""
-    if not isinstance(like, DTensor):
-        return full
-    (placement,) = like.placements
-    if not placement.is_shard():
-        return full
-    mesh = like.device_mesh
-    return full.chunk(mesh.size(), dim=placement.dim)[mesh.get_local_rank()]
+    """This rank's part of `full`, shaped as `like` is held here: cut locally, as the placements of `like` cut it
+    (TP's even chunks, FSDP's dim-0 chunks), without a collective."""
+    return _distributed_as(full, like).to_local() if isinstance(like, DTensor) else full
+
+
+def _distributed_as(full: torch.Tensor, like: DTensor) -> DTensor:
+    local = full.to(like.to_local().device)
+    return distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
 
 
 def _held_as(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
@@ -67,8 +67,9 @@ def _held_as(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     rank's part, a DTensor beside a DTensor."""
     if not full.dim():
         return full.clone()
-    local = _part(full, p).clone().to(shard_of(p).device)
-    return DTensor.from_local(local, p.device_mesh, p.placements) if isinstance(p, DTensor) else local
+    if isinstance(p, DTensor):
+        return _distributed_as(full.clone(), p)
+    return full.clone().to(p.device)
 
 
 def whole_groups(model_cfg, optim_cfg) -> list[list[str]]:
@@ -103,20 +104,22 @@ def by_name(optimizer_state: dict, names: list[list[str]]) -> dict:
 
 def local_state(replica: Replica, optimizer: torch.optim.Optimizer) -> dict:
     """This rank's own part: weights and AdamW state by name, local shards as plain tensors. What a rank at the
-    same (stage, shard) of another replica takes to join in its place."""
+    same place (stage, shard, tp_rank) of another replica takes to join in its place."""
     model = {name: shard_of(t).detach().cpu().clone() for name, t in replica.model.state_dict().items()}
     optim = {}
     for name, p in replica.model.named_parameters():
         if p in optimizer.state:
             optim[name] = {k: shard_of(v).detach().cpu().clone() for k, v in optimizer.state[p].items()}
-    return {"at": (replica.at.stage, replica.at.shard), "model": model, "optim": optim}
+    return {"at": replica.at.place, "model": model, "optim": optim}
 
 
 def load_local(replica: Replica, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Take a local_state of a rank at the same (stage, shard), in place."""
-    mine = (replica.at.stage, replica.at.shard)
+    """Take a local_state of a rank at the same place, in place."""
+    mine = replica.at.place
     if tuple(state["at"]) != mine:
-        raise ValueError(f"a rank at (stage, shard) {tuple(state['at'])} cannot give its state to one at {mine}")
+        raise ValueError(
+            f"a rank at (stage, shard, tp_rank) {tuple(state['at'])} cannot give its state to one at {mine}"
+        )
     with torch.no_grad():
         for name, t in replica.model.state_dict().items():
             shard_of(t).copy_(state["model"][name])
@@ -128,6 +131,6 @@ def load_local(replica: Replica, optimizer: torch.optim.Optimizer, state: dict) 
 
 def _local_as(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     local = local.clone().to(shard_of(p).device)
-    if isinstance(p, DTensor) and local.dim():
-        return DTensor.from_local(local, p.device_mesh, p.placements)
+    if isinstance(p, DTensor) and local.dim():  # FSDP's last shard may be short: the whole shape from `p`
+        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
     return local

@@ -1,10 +1,11 @@
-"""How one model replica is laid out over tp × pp ranks: the mesh, the tensor-parallel plan, the pipeline stages,
-and the gradient sync and clipping that the layout needs.
+"""How one model replica is laid out over tp × pp × shard ranks: the mesh, the tensor-parallel plan, the pipeline
+stages, the parameter sharding (FSDP2), and the gradient sync and clipping that the layout needs.
 
-torchtitan's split: the model (app/core/model.py) knows nothing of ranks; this module cuts it up; the step drives
-the schedule. Every rank builds the whole model from one seed and keeps its part, so the initial weights of any
-layout are those of the unsplit model. Rank order is TP fastest, rank = (replica · pp + stage) · tp + shard: the
-ranks of a TP group are consecutive, and land on one node when ranks are placed in order.
+torchtitan's split: the model (app/core/model.py) knows nothing of ranks; this module cuts it up (TP, then FSDP
+over the shard dimension, per block and at the root); the step drives the schedule. Every rank builds the whole
+model from one seed and keeps its part, so the initial weights of any layout are those of the unsplit model. Rank
+order: ParallelConfig.place. Replicas are HSDP's replicate dimension: their gradients are all-reduced here, shard
+by shard, each weighted by the replica's share of the global batch, so that replicas come and go.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -24,7 +26,7 @@ SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 
 def make_mesh(world: int, cfg: ParallelConfig, device_type: str) -> DeviceMesh:
-    """The 3D mesh over the default process group: (dp, pp, tp), tp fastest.
+    """The 4D mesh over the default process group: (dp, pp, shard, tp), tp fastest.
 
     DTensor caches sharding decisions keyed by meshes that compare equal by shape and root ranks alone, and the
     specs it hands back hold the mesh of the first call, with its process groups. torch numbers groups afresh in
@@ -32,7 +34,8 @@ def make_mesh(world: int, cfg: ParallelConfig, device_type: str) -> DeviceMesh:
     a stale group's name: gone ("Could not resolve the process group"), or worse, another group of the new
     generation. The caches go with the groups."""
     forget_sharding_caches()
-    return init_device_mesh(device_type, (world // cfg.ranks, cfg.pp, cfg.tp), mesh_dim_names=("dp", "pp", "tp"))
+    shape = (world // cfg.ranks, cfg.pp, cfg.shard, cfg.tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("dp", "pp", "shard", "tp"))
 
 
 def forget_sharding_caches() -> None:
@@ -81,6 +84,16 @@ def shard_tensors(model: GPT, tp_mesh: DeviceMesh) -> GPT:
     return parallelize_module(model, tp_mesh, plan)
 
 
+def shard_parameters(model: GPT, shard_mesh: DeviceMesh, param_dtype: torch.dtype | None) -> GPT:
+    """FSDP2 over the shard dimension, torchtitan's way: each block a unit (its parameters gathered for its forward
+    and backward, then freed), the root the rest (embedding, final norm, head). Gradients are reduce-scattered as
+    their mean over the shard ranks, in fp32 whatever `param_dtype` (bf16 on a GPU) computes in."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    for block in model.blocks.values():
+        fully_shard(block, mesh=shard_mesh, mp_policy=policy)
+    return fully_shard(model, mesh=shard_mesh, mp_policy=policy)
+
+
 class _StageForward(nn.Module):
     """The stage's forward as PipelineStage calls it: tokens or hidden states in, hidden states or logits out."""
 
@@ -104,14 +117,15 @@ class TiedGroups:
 
     def __init__(self, mesh: DeviceMesh, cfg: ParallelConfig):
         self.group = None
-        ranks = mesh.mesh  # (dp, pp, tp) -> global rank
+        ranks = mesh.mesh  # (dp, pp, shard, tp) -> global rank
         me = dist.get_rank()
         for replica in range(ranks.shape[0]):
             for shard in range(ranks.shape[2]):
-                pair = [int(ranks[replica, 0, shard]), int(ranks[replica, -1, shard])]
-                group = dist.new_group(pair)  # every rank creates every group, in one order
-                if me in pair:
-                    self.group = group
+                for tp_rank in range(ranks.shape[3]):
+                    pair = [int(ranks[replica, 0, shard, tp_rank]), int(ranks[replica, -1, shard, tp_rank])]
+                    group = dist.new_group(pair)  # every rank creates every group, in one order
+                    if me in pair:
+                        self.group = group
 
     def sync(self, model: GPT) -> None:
         tied = model.embed if model.embed is not None else model.head
@@ -145,21 +159,22 @@ def sync_replicas(model: nn.Module, mesh: DeviceMesh, weight: float) -> None:
 def clip_grads(model: GPT, max_norm: float, mesh: DeviceMesh, tied: bool) -> float:
     """The global gradient norm of the whole model, and clipping to `max_norm` as torch's clip_grad_norm_ does.
 
-    Each tensor counts once: a TP shard's squares are summed over the TP group, a whole tensor's are not (every
-    rank of the group holds the same); stages add up; the head of a tied pair is the embedding's second copy."""
+    Each tensor counts once: the squares of a tensor split over mesh dimensions (TP, shard) are summed over those
+    dimensions' groups, a tensor whole on every rank of a group is not; stages add up; the head of a tied pair is
+    the embedding's second copy."""
     device = shard_of(next(model.parameters())).device  # a collective's tensors live where the backend reads them
-    sharded, whole = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
+    squares: dict[tuple[str, ...], torch.Tensor] = {}  # by the mesh dimensions the tensors are split over
     for name, p in model.named_parameters():
         if p.grad is None or (tied and name == "head.weight"):
             continue
-        sq = shard_of(p.grad).double().pow(2).sum()
-        if isinstance(p.grad, DTensor):
-            sharded += sq
-        else:
-            whole += sq
-    if mesh["tp"].size() > 1:
-        dist.all_reduce(sharded, group=mesh["tp"].get_group())
-    total = sharded + whole
+        split = split_over(p.grad)
+        squares.setdefault(split, torch.zeros((), dtype=torch.float64, device=device))
+        squares[split] += shard_of(p.grad).double().pow(2).sum()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for split in sorted(squares):  # the same keys in the same order on every rank of a stage
+        for dim in split:
+            dist.all_reduce(squares[split], group=mesh[dim].get_group())
+        total += squares[split]
     if mesh["pp"].size() > 1:
         dist.all_reduce(total, group=mesh["pp"].get_group())
     norm = total.sqrt().item()
@@ -169,6 +184,15 @@ def clip_grads(model: GPT, max_norm: float, mesh: DeviceMesh, tied: bool) -> flo
             if p.grad is not None:
                 shard_of(p.grad).mul_(coef)
     return norm
+
+
+def split_over(t: torch.Tensor) -> tuple[str, ...]:
+    """The mesh dimensions a DTensor is split over (none for a plain tensor, or one replicated on its mesh). FSDP
+    over TP's column shards splits them in strides (`_StridedShard`), which is_shard() does not count."""
+    if not isinstance(t, DTensor):
+        return ()
+    names = t.device_mesh.mesh_dim_names
+    return tuple(names[i] for i, placement in enumerate(t.placements) if not placement.is_replicate())
 
 
 def collective_failed(e: BaseException) -> bool:
@@ -183,7 +207,15 @@ class ReplicaBroken(RuntimeError):
 class Replica:
     """One rank's part of a model replica laid out as `cfg` says, and the collectives its step needs."""
 
-    def __init__(self, model: GPT, mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
+    def __init__(
+        self,
+        model: GPT,
+        mesh: DeviceMesh,
+        cfg: ParallelConfig,
+        device: torch.device,
+        param_dtype: torch.dtype | None = None,
+    ):
+        """`param_dtype`: what a sharded replica computes in (FSDP2's mixed precision; None: the parameters')."""
         self.cfg, self.mesh = cfg, mesh
         self.at = cfg.place(dist.get_rank())
         self.tied = tied_across_stages(model.cfg, cfg)
@@ -191,6 +223,8 @@ class Replica:
             model.head.weight = nn.Parameter(model.embed.weight.detach().clone())
         keep_stage(model, self.at.stage, cfg.pp)
         self.model = shard_tensors(model, mesh["tp"]) if cfg.tp > 1 else model
+        if cfg.shard > 1:
+            self.model = shard_parameters(self.model, mesh["shard"], param_dtype)
         self.schedule = make_schedule(self.model, mesh, cfg, device) if cfg.pp > 1 else None
         self.tied_groups = TiedGroups(mesh, cfg) if self.tied else None
         self.weight = 1 / mesh["dp"].size()  # this replica's share of the global batch
@@ -199,8 +233,11 @@ class Replica:
         """The replica's batch, forward and backward: the mean loss over the global batch, known on every rank.
 
         `weight`: this replica's share of the global batch (equal shares if None); `chunk`: without a pipeline,
-        the batch runs in micro-batches of this many samples, gradients accumulating (0: all at once)."""
+        the batch runs in micro-batches of this many samples, gradients accumulating (0: all at once). Each of the
+        replica's shard ranks computes its part of the batch (an equal one: ParallelConfig.per_replica)."""
         self.weight = 1 / self.mesh["dp"].size() if weight is None else weight
+        if self.cfg.shard > 1:
+            x, y = x.chunk(self.cfg.shard)[self.at.shard], y.chunk(self.cfg.shard)[self.at.shard]
         try:
             mean = self._own_batch(x, y, chunk)
         except RuntimeError as e:  # only the replica's own ranks take part up to here
@@ -212,11 +249,17 @@ class Replica:
     def _own_batch(self, x: torch.Tensor, y: torch.Tensor, chunk: int) -> torch.Tensor:
         if self.schedule is None:
             mean = torch.zeros((), device=x.device)
-            for xs, ys in zip(x.split(chunk or len(x)), y.split(chunk or len(x))):
+            chunks = list(zip(x.split(chunk or len(x)), y.split(chunk or len(x))))
+            for i, (xs, ys) in enumerate(chunks):
+                if self.cfg.shard > 1:  # FSDP reduce-scatters the gradient once, after the last micro-batch
+                    self.model.set_requires_gradient_sync(i == len(chunks) - 1)
                 _, loss = self.model(xs, ys)
                 part = loss * (len(xs) / len(x))
                 part.backward()
                 mean += part.detach().float()
+            if self.cfg.shard > 1:  # each shard rank's mean over its part: the replica's is their mean
+                dist.all_reduce(mean, group=self.mesh["shard"].get_group())
+                mean /= self.cfg.shard
         else:
             losses = []
             first, last = self.at.stage == 0, self.at.stage == self.cfg.pp - 1
@@ -240,7 +283,7 @@ class Replica:
         total = torch.zeros((), dtype=torch.float64, device=x.device)
         for xs, ys in zip(x.split(chunk), y.split(chunk)):
             if first:
-                h = self.model.logits(xs)
+                h, _ = self.model(xs)  # through forward: FSDP gathers the root's parameters there
             else:
                 h = torch.empty((*xs.shape, self.model.cfg.d_model), device=xs.device)
                 dist.recv(h, group_src=self.at.stage - 1, group=pp)

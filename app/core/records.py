@@ -41,7 +41,7 @@ class Train(Record):
     world_size: int
     batch: int
     cursor: int  # the data cursor after the step: samples taken from the global order so far
-    replicas: int | None = None  # model replicas that ran it: world_size / (tp × pp) of the layout then
+    replicas: int | None = None  # model replicas that ran it: world_size / (tp × pp × shard) of the layout then
     loss: float | None = None
     lr: float | None = None
     grad_norm: float | None = None
