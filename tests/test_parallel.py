@@ -83,7 +83,7 @@ def train_rank(
         (1, dict(tp=2, shard=2)),
         (2, dict(shard=2)),
     ],
-    ids=["tp2", "pp2-1f1b", "pp2-gpipe", "tp2xpp2", "2-replicas-of-tp2", "shard2", "tp2xshard2", "2-replicas-of-shard2"],
+    ids=["tp2", "pp2-1f1b", "pp2-gpipe", "tp2xpp2", "2-replicas-of-tp2", "shard2", "tp2xshard2", "2-replicas-shard2"],
 )
 def test_a_layout_follows_the_single_process_losses_and_gradients(single, replicas, layout):
     expected_losses, expected_grads = single
