@@ -16,7 +16,7 @@ from app.cli import main
 from app.core.config import ModelConfig, OptimConfig, ParallelConfig, load_config
 from app.core.layout_state import full_state, load_full, whole
 from app.core.local_ranks import local_group
-from app.core.model import GPT
+from app.core.model import GPT, InitialWeights
 from app.core.optim import make_optimizer
 from app.core.parallel import Replica, make_mesh, stage_layers
 
@@ -52,13 +52,14 @@ def train_rank(
     rank: int, world: int, layout: dict, steps: range = range(STEPS), state: dict | None = None, save: bool = False
 ) -> tuple[list[float], dict, dict | None]:
     """Per-step losses, the first step's clipped gradients (whole tensors) and, with `save`, the whole state after
-    the last step (on the replica's first rank)."""
+    the last step (on the replica's first rank). No rank holds the whole model: its part starts on the meta device."""
     cfg = ParallelConfig(**layout)
-    torch.manual_seed(0)
-    replica = Replica(GPT(MODEL), make_mesh(world, cfg, "cpu"), cfg, torch.device("cpu"))
+    with torch.device("meta"):  # as a worker does: the structure only, then its part made and given its values
+        model = GPT(MODEL)
+    replica = Replica(model, make_mesh(world, cfg, "cpu"), cfg, torch.device("cpu"))
+    replica.model.materialize(torch.device("cpu"))
     optimizer = make_optimizer(replica.model, OPTIM)
-    if state is not None:
-        load_full(replica, optimizer, state)
+    load_full(replica, optimizer, state or {"model": InitialWeights(MODEL, 0), "optim": {}})
     mine, replicas = cfg.place(rank).replica, cfg.replicas(world)
     losses, first, every = [], {}, batches()
     for i in steps:

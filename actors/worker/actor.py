@@ -86,14 +86,7 @@ class TrainWorker:
         }
 
     def warm_up(self) -> None:
-        """One forward/backward on a dummy batch, so a pool worker's first real step runs at full
-        speed (kernel selection, allocator, autograd threads); its state is untouched."""
-        engine = self.engine
-        idx = torch.zeros((self.cfg.train.micro_batch, self.cfg.model.seq_len), dtype=torch.long, device=self.device)
-        with engine.autocast():
-            _, loss = engine.model(idx, idx)
-        loss.backward()
-        engine.optimizer.zero_grad(set_to_none=True)
+        self.engine.warm_up()
 
     def attach_cache(self, cache, layout: Layout, cursor: int | None = None) -> None:
         """Read training shards through this node's cache (one ShardCache actor per node).

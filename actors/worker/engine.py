@@ -18,6 +18,7 @@ from actors.worker.compress import GradSync
 from actors.worker.injection import Injected
 from app.core.config import Config
 from app.core.finetune import build_model
+from app.core.model import GPT
 from app.core.optim import make_optimizer, make_scheduler
 
 
@@ -26,7 +27,7 @@ class Engine:
 
     def __init__(self, cfg: Config, device: torch.device):
         self.cfg, self.device = cfg, device
-        self.model = build_model(cfg).to(device)  # the same on every worker: seeded, or a base's (+ adapters)
+        self.model = self.build_model()
         self.optimizer = make_optimizer(self.model, cfg.optim)
         self.scheduler = make_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
@@ -35,7 +36,20 @@ class Engine:
         self.rank, self.world = -1, 0
         self.applied = 0  # optimizer steps in this state: the step it can resume from (-1: none of use)
 
+    def build_model(self) -> GPT:
+        """The model a worker starts with, the same on every worker: seeded, or a base's (+ adapters)."""
+        return build_model(self.cfg).to(self.device)
+
     # -- the interface the actor calls -------------------------------------------------
+
+    def warm_up(self) -> None:
+        """One forward/backward on a dummy batch, so a pool worker's first real step runs at full speed (kernel
+        selection, allocator, autograd threads); the state is untouched."""
+        idx = torch.zeros((self.cfg.train.micro_batch, self.cfg.model.seq_len), dtype=torch.long, device=self.device)
+        with self.autocast():
+            _, loss = self.model(idx, idx)
+        loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def join(self, rank: int, world: int) -> int | None:
         """The process group of (rank, world) has formed. With a layout: the step this rank holds its place's

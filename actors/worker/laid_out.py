@@ -1,8 +1,11 @@
-"""One rank's part of a model replica laid out over parallel.tp × parallel.pp ranks (app/core/parallel.py).
+"""One rank's part of a model replica laid out over parallel.tp × parallel.pp × parallel.shard ranks
+(app/core/parallel.py).
 
-The part is taken when the rank joins, at the (stage, shard) its rank gives, and only its state is kept when it
-leaves (the part is bound to the group's mesh): a re-formed group puts it at the same place, or it takes the
-state of its twin (the same place in another replica)."""
+No rank holds the whole model: the worker knows only the model's structure (on the meta device) until it joins a
+group; then it builds its part at the place (stage, shard, tp_rank) its rank gives, gives it storage, and takes its
+values (the run's initial weights, made tensor by tensor; or a checkpoint's, or a twin's, after joining). Only the
+part's state is kept when it leaves (the part is bound to the group's mesh): a re-formed group puts it at the same
+place, or it takes the state of its twin (the same place in another replica)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch
 
 from actors.worker.engine import Engine, snapshot
 from actors.worker.injection import Injected
+from app.core.finetune import base_weights
 from app.core.layout_state import (
     as_optimizer_state,
     by_name,
@@ -21,7 +25,7 @@ from app.core.layout_state import (
     local_state,
     whole_groups,
 )
-from app.core.model import GPT
+from app.core.model import GPT, InitialWeights
 from app.core.optim import make_optimizer, make_scheduler
 from app.core.parallel import Replica, ReplicaBroken, make_mesh
 
@@ -32,31 +36,43 @@ class LaidOut(Engine):
         self.replica: Replica | None = None  # in a group: this rank's part
         self.held: dict | None = None  # out of a group: the part's state, as layout_state.local_state
 
+    def build_model(self) -> GPT:
+        """The model's structure only: each rank makes its part when it joins."""
+        with torch.device("meta"):
+            return GPT(self.cfg.model)
+
+    def warm_up(self) -> None:
+        """Nothing to warm: the part exists only in a group."""
+
     def join(self, rank: int, world: int) -> int:
-        """Take this rank's part of the model: cut from the whole model this worker holds (a fresh one, or a
-        checkpoint's), or rebuilt around the part it held in the last group when its place is the same.
-        Elsewhere its state is of no use: -1, and the coordinator copies the twin's."""
+        """Make this rank's part of the model: with the run's initial weights (or its base's) on a fresh worker,
+        with what it held in the last group when its place is the same. Elsewhere its state is of no use: -1, and
+        the coordinator copies the twin's."""
         self.rank, self.world = rank, world
         par = self.cfg.parallel
-        mesh = make_mesh(world, par, self.device.type)
-        at = par.place(rank)
-        if self.held is None:  # the whole model: its state goes with the cut
-            whole = {"model": self.model.state_dict(), "optim": self._by_name(self.optimizer.state_dict())}
-            self.replica = Replica(self.model, mesh, par, self.device)
-            self.set_optimizer(make_optimizer(self.replica.model, self.cfg.optim))
-            load_full(self.replica, self.optimizer, whole)
-        else:  # rebuilt: the part's structure from the whole model, its values from what it held
-            torch.manual_seed(self.cfg.train.seed)
-            self.replica = Replica(GPT(self.cfg.model).to(self.device), mesh, par, self.device)
-            self.optimizer = make_optimizer(self.replica.model, self.cfg.optim)
-            self.scheduler = make_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.steps)
-            self.scheduler.load_state_dict(self.held["scheduler"])
-            if tuple(self.held["at"]) == at.place:
-                load_local(self.replica, self.optimizer, self.held)
-            else:
-                self.applied = -1
+        with torch.device("meta"):
+            model = GPT(self.cfg.model)
+        param_dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else None  # FSDP's compute dtype
+        self.replica = Replica(model, make_mesh(world, par, self.device.type), par, self.device, param_dtype)
+        self.replica.model.materialize(self.device)
+        self.optimizer = make_optimizer(self.replica.model, self.cfg.optim)
+        schedule = self.scheduler.state_dict() if self.held is None else self.held["scheduler"]
+        self.scheduler = make_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.steps)
+        self.scheduler.load_state_dict(schedule)
+        if self.held is None:
+            load_full(self.replica, self.optimizer, {"model": self._initial(), "optim": {}})
+        elif tuple(self.held["at"]) == self.replica.at.place:
+            load_local(self.replica, self.optimizer, self.held)
+        else:
+            self.applied = -1
         self.model, self.held = self.replica.model, None
         return self.applied
+
+    def _initial(self) -> dict:
+        """The weights a fresh run starts from, by whole-model name: made one tensor at a time, or a base's."""
+        if self.cfg.finetune.base is not None:  # read whole, for now: a base in DCP's form would be read in parts
+            return base_weights(self.cfg.finetune)
+        return InitialWeights(self.cfg.model, self.cfg.train.seed)
 
     def leave(self, failed: bool) -> None:
         """Keep the part's state, not the part: its mesh goes with the group."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +17,20 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, seq_len: int, base: float = 10_000.0):
         super().__init__()
-        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
-        angles = torch.outer(torch.arange(seq_len).float(), inv_freq)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.head_dim, self.seq_len, self.base = head_dim, seq_len, base
+        self.register_buffer("cos", torch.empty(seq_len, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(seq_len, head_dim // 2), persistent=False)
+        self.reset()
+
+    def reset(self) -> None:
+        """The tables, on the device the buffers are on (a model built on the meta device fills them here)."""
+        if self.cos.is_meta:
+            return
+        device = self.cos.device
+        inv_freq = 1.0 / self.base ** (torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim)
+        angles = torch.outer(torch.arange(self.seq_len, device=device).float(), inv_freq)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, H, T, D)
         t = x.shape[-2]
@@ -87,16 +98,21 @@ class GPT(nn.Module):
         if cfg.tie_weights:
             self.head.weight = self.embed.weight
         self.value_head: nn.Linear | None = None  # PPO's critic (add_value_head)
-        self.apply(self._init)
-        # GPT-2's scaled init of residual projections keeps the residual stream's variance flat in depth.
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if not self.head.weight.is_meta:
+            with torch.no_grad():
+                for name, p in self.named_parameters():
+                    p.copy_(initial_weight(cfg, name, p.shape, torch.initial_seed()))
 
-    @staticmethod
-    def _init(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
+    def materialize(self, device: torch.device) -> GPT:
+        """A model built on the meta device (or its part: app/core/parallel.py), given storage on `device`; its
+        buffers filled, its weights not (layout_state.load_full takes them from InitialWeights or a checkpoint)."""
+        self.to_empty(device=device)
+        if self.cfg.tie_weights and self.embed is not None and self.head is not None:
+            self.head.weight = self.embed.weight  # to_empty gives each module its own tensor: tied again
+        for module in self.modules():
+            if isinstance(module, Rotary):
+                module.reset()
+        return self
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, values: bool = False):
         """(logits, loss), or with `values` (logits, the value head's estimate at each position): through one
@@ -135,6 +151,33 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def initial_weight(cfg: ModelConfig, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """The initial value of the weight `name`, a function of the seed and the name alone: a rank that holds a part of
+    the model makes any tensor's value without the others' (one tensor at a time, on CPU). Linear and embedding
+    weights N(0, 0.02), with GPT-2's scaled init of residual projections, which keeps the residual stream's variance
+    flat in depth; norms 1 and 0."""
+    if ".norm" in name or name.startswith("norm."):
+        return torch.ones(shape) if name.endswith(".weight") else torch.zeros(shape)
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("attn.proj.weight", "mlp.2.weight")) else 0.02
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return torch.normal(0.0, std, tuple(shape), generator=generator)
+
+
+class InitialWeights(dict):
+    """The initial weights by name, each made when asked for (initial_weight): what a part of a model built on the
+    meta device takes its values from (layout_state.load_full), never the whole model at once."""
+
+    def __init__(self, cfg: ModelConfig, seed: int):
+        super().__init__()
+        self.cfg, self.seed = cfg, seed
+        with torch.device("meta"):
+            self.shapes = {n: p.shape for n, p in GPT(cfg).named_parameters(remove_duplicate=False)}
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        tied = name == "head.weight" and self.cfg.tie_weights
+        return initial_weight(self.cfg, "embed.weight" if tied else name, self.shapes[name], self.seed)
 
 
 @torch.no_grad()
