@@ -26,6 +26,8 @@ LAYOUTS = {
     "tp2": ["cluster.num_workers=2", "parallel.tp=2"],
     "pp2": ["cluster.num_workers=2", "parallel.pp=2", "parallel.microbatches=2"],
     "tp2xpp2": ["cluster.num_workers=4", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"],
+    "shard2": ["cluster.num_workers=2", "parallel.shard=2"],
+    "tp2xshard2": ["cluster.num_workers=4", "parallel.tp=2", "parallel.shard=2"],
 }
 
 
@@ -70,9 +72,12 @@ def test_a_laid_out_job_trains_and_evaluates_as_one_whole_model_worker(single, m
     assert final["step"] == STEPS  # the whole model gathered from the replica's ranks, committed
 
 
-def test_a_rank_lost_takes_its_replica_out_and_a_replica_formed_from_the_pool_takes_its_place(single, make_cfg, rng):
-    """2 replicas of tp=2; a rank drawn at random dies as a step drawn at random begins. Its replica leaves whole
-    (its mate, whose forward failed, exits), the other replica redoes the step alone as ranks 0 and 1, and once two
+@pytest.mark.parametrize("layout", ["tp=2", "shard=2"])
+def test_a_rank_lost_takes_its_replica_out_and_a_replica_formed_from_the_pool_takes_its_place(
+    single, make_cfg, rng, layout
+):
+    """2 replicas of tp=2 or of shard=2 (HSDP); a rank drawn at random dies as a step drawn at random begins. Its
+    replica leaves whole (its mate, whose forward failed, exits), the other replica redoes the step alone as ranks 0 and 1, and once two
     fresh workers have started, they join as a new replica, each taking its twin's state. Every step once, every
     sample once: the single worker's losses throughout. (Issue 27: a lost rank of replica 0 failed the job when
     the new replica joined, while rank 3 worked.)"""
@@ -83,7 +88,7 @@ def test_a_rank_lost_takes_its_replica_out_and_a_replica_formed_from_the_pool_ta
         "run.name=lost-rank",
         f"train.steps={steps}",
         "cluster.num_workers=4",
-        "parallel.tp=2",
+        f"parallel.{layout}",
         f"faults=[{{rank: {rank}, step: {step}, kind: kill}}]",
     )
     run_dir = new_run_dir(cfg)
@@ -99,18 +104,19 @@ def test_a_rank_lost_takes_its_replica_out_and_a_replica_formed_from_the_pool_ta
     assert [r["world_size"] for r in trained] == sizes
     assert_same_losses(losses(run_dir), single(steps)[0])
 
+    tp, shard = (2, 1) if layout == "tp=2" else (1, 2)
     status = json.loads((run_dir / "status.json").read_text())  # what `etrain status` and the API show
     assert status["layout"] | {"microbatches": 0} == {
-        "tp": 2, "pp": 1, "shard": 1, "microbatches": 0, "schedule": "1f1b", "ranks": 2, "replicas": 2,
+        "tp": tp, "pp": 1, "shard": shard, "microbatches": 0, "schedule": "1f1b", "ranks": 2, "replicas": 2,
     }  # fmt: skip
     places = [(m["rank"], m["replica"], m["stage"], m["shard"], m["tp_rank"]) for m in status["members"]]
-    assert places == [(0, 0, 0, 0, 0), (1, 0, 0, 0, 1), (2, 1, 0, 0, 0), (3, 1, 0, 0, 1)]
+    assert places == [(r, r // 2, 0, r % 2 if shard > 1 else 0, r % 2 if tp > 1 else 0) for r in range(4)]
     shown = _status_text(status)
-    assert "layout: 2 replica(s) of tp 2 × pp 1 × shard 1 = 2 ranks" in shown and "rank 3: " in shown
-    assert "replica 1 stage 0 shard 0 tp_rank 1" in shown
+    assert f"layout: 2 replica(s) of tp {tp} × pp 1 × shard {shard} = 2 ranks" in shown and "rank 3: " in shown
+    assert f"replica 1 stage 0 shard {shard - 1} tp_rank {tp - 1}" in shown
     report = write_report(run_dir)
     assert report["summary"]["layout"]["replicas"] == [1, 2]
-    assert "tp 2 × pp 1; replicas 1–2" in report["html"].read_text()
+    assert f"tp {tp} × pp 1{' × shard 2' if shard > 1 else ''}; replicas 1–2" in report["html"].read_text()
 
 
 def test_a_one_replica_layout_that_loses_a_rank_goes_back_to_its_checkpoint_and_goes_on(single, make_cfg, rng):
@@ -141,8 +147,8 @@ def test_a_one_replica_layout_that_loses_a_rank_goes_back_to_its_checkpoint_and_
 
 @pytest.mark.parametrize(
     "saved_by, resumed_by",
-    [("tp2xpp2", "single"), ("single", "tp2")],
-    ids=["tp2xpp2-to-single-on-s3", "single-to-tp2-on-disk"],
+    [("tp2xpp2", "single"), ("single", "tp2"), ("tp2xshard2", "shard2")],
+    ids=["tp2xpp2-to-single-on-s3", "single-to-tp2-on-disk", "tp2xshard2-to-shard2-on-s3"],
 )
 def test_a_checkpoint_resumes_in_another_layout_on_the_same_trajectory(
     single, make_cfg, s3_bucket, saved_by, resumed_by
