@@ -79,8 +79,8 @@ def test_a_rank_lost_takes_its_replica_out_and_a_replica_formed_from_the_pool_ta
     """2 replicas of tp=2 or of shard=2 (HSDP); a rank drawn at random dies as a step drawn at random begins. Its
     replica leaves whole (its mate, whose forward failed, exits), the other replica redoes the step alone as ranks
     0 and 1, and once two fresh workers have started, they join as a new replica, each taking its twin's state.
-    Every step once, every sample once: the single worker's losses throughout. (Issue 27: a lost rank of replica 0 failed the job when
-    the new replica joined, while rank 3 worked.)"""
+    Every step once, every sample once: the single worker's losses throughout. (Issue 27: a lost rank of replica 0
+    failed the job when the new replica joined, while rank 3 worked.)"""
     steps = 80  # room for two workers to start (~3 s here) while the surviving replica trains alone
     rank, step = rng.randrange(4), rng.randrange(2, 8)
     cfg = make_cfg(
