@@ -440,9 +440,12 @@ def cmd_config(args, started_at: float) -> int:
     cfg = load_config(args.config, args.set)
     print(cfg.to_yaml(), end="")
     need, here = cfg.worker_memory(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    par = cfg.parallel
+    layout = f" in a layout of tp {par.tp} × pp {par.pp} × shard {par.shard}" if par.ranks > 1 else ""
+    parts = ", ".join(f"{part} {size / 2**30:,.2f}" for part, size in cfg.rank_memory().items() if size)
     print(
-        f"model: {cfg.model.param_count():,} parameters; about {need / 2**30:,.2f} GiB per worker (weights, gradients, "
-        f"AdamW state, activations of one micro-batch)",
+        f"model: {cfg.model.param_count():,} parameters; about {need / 2**30:,.2f} GiB per worker{layout} "
+        f"({parts} GiB; activations of one micro-batch)",
         file=sys.stderr,
     )
     if need > here and not cfg.cluster.gpus_per_worker:

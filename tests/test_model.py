@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from app.cli import main
 from app.core.config import load_config
 from app.core.model import GPT
 
@@ -51,6 +52,34 @@ def test_gpu_1b_preset_has_about_a_billion_parameters():
     with torch.device("meta"):
         n = GPT(cfg).num_params()
     assert 1.0e9 < n < 1.5e9
+
+
+def test_the_8b_preset_fits_an_80_gb_gpu_only_sharded(capsys):
+    """Issue 29, item 7: ~8 B parameters, whose weights, gradients and AdamW state (16 bytes each) fit no 80 GB rank
+    whole, and do sharded over the preset's 8 ranks per replica, activations of a micro-batch included."""
+    cfg = load_config("gpu-8b")
+    with torch.device("meta"):
+        assert GPT(cfg.model).num_params() == cfg.model.param_count()
+    assert 7.5e9 < cfg.model.param_count() < 8.5e9
+    whole = load_config("gpu-8b", ["parallel.shard=1", "cluster.num_workers=2"])
+    state = ("weights", "gradients", "optimizer")
+    assert sum(whole.rank_memory()[k] for k in state) > 80e9
+    sharded = sum(cfg.rank_memory()[k] for k in state)
+    assert sharded <= 1.01 * sum(whole.rank_memory()[k] for k in state) / 8
+    assert cfg.worker_memory() < 80e9
+    assert main(["config", "--config", "gpu-8b"]) == 0
+    shown = capsys.readouterr().err
+    assert "per worker in a layout of tp 1 × pp 1 × shard 8 (weights 3.75, gradients 3.75, optimizer 7.50" in shown
+
+
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"], ["parallel.shard=2"], ["comm.zero=true"]])
+def test_a_layout_divides_what_a_rank_holds(layout):
+    """The per-rank estimate follows the layout: each of these holds less state than a whole-model worker."""
+    whole = load_config("small", ["cluster.num_workers=2"]).rank_memory()
+    part = load_config("small", ["cluster.num_workers=2", *layout]).rank_memory()
+    assert part["optimizer"] < whole["optimizer"]
+    if layout != ["comm.zero=true"]:
+        assert part["weights"] < whole["weights"] and part["gradients"] < whole["gradients"]
 
 
 def test_a_checkpoint_with_the_older_fused_qkv_weight_loads_into_separate_projections():

@@ -11,6 +11,7 @@ import copy
 import difflib
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -828,15 +829,43 @@ class Config(Section):
         return self.ppo.reward_timeout_s or self.timeouts.step_s / 2
 
     def worker_memory(self) -> int:
-        """About the bytes one worker needs: fp32 weights, gradients and AdamW's two moments (16 per parameter;
-        with LoRA, 4 per frozen weight and 16 per adapter parameter), and the activations of one micro-batch kept
-        for backward (Korthikanti et al. 2022, per layer 34·s·b·h + 5·a·s²·b bytes at 16 bits, twice that in fp32),
-        plus the logits and their gradient."""
-        m, b = self.model, self.train.micro_batch
+        """About the bytes one worker (one rank) needs: the sum of rank_memory."""
+        return sum(self.rank_memory().values())
+
+    def rank_memory(self) -> dict[str, int]:
+        """About the bytes one rank holds, by part, in this run's layout (the fullest rank: the first stage, which
+        holds the embedding).
+
+        weights, gradients and optimizer: fp32, AdamW's two moments (16 bytes per parameter; with LoRA, 4 per
+        frozen weight and 16 per adapter parameter); a block's tensors split over parallel.tp, the blocks over
+        parallel.pp's stages, everything over parallel.shard (FSDP2), AdamW's state over the workers with ZeRO-1.
+        activations: one micro-batch's kept for backward (Korthikanti et al. 2022, per layer 10·s·b·h + 24·s·b·h/t
+        + 5·a·s²·b/t bytes at 16 bits, twice that in fp32; the s² term is an upper bound: fused attention keeps no
+        scores), and the logits and their gradient. gathered: the whole parameters of the block FSDP computes and of
+        the next it prefetches, in the precision they compute in."""
+        m, par, b = self.model, self.parallel, self.train.micro_batch
         width = 2 if self.train.precision == "fp32" else 1
-        per_layer = (34 * m.seq_len * b * m.d_model + 5 * m.n_head * m.seq_len**2 * b) * width
-        weights = 4 * m.param_count() + 16 * self.lora_params() if self.finetune.lora_on else 16 * m.param_count()
-        return weights + m.n_layer * per_layer + 8 * b * m.seq_len * m.vocab_size
+        d, s, layers = m.d_model, m.seq_len, math.ceil(m.n_layer / par.pp)
+        block = 12 * d * d // par.tp + 4 * d
+        params = (m.param_count() - m.n_layer * (12 * d * d + 4 * d)) + layers * block  # the ends whole: the fullest
+        if self.finetune.lora_on:
+            trained = self.lora_params()
+            weights, gradients, optimizer = 4 * (params + trained), 4 * trained, 8 * trained
+        else:
+            weights, gradients, optimizer = 4 * params, 4 * params, 8 * params
+        weights, gradients, optimizer = (x // par.shard for x in (weights, gradients, optimizer))
+        if self.comm.zero:
+            optimizer //= max(self.cluster.num_workers, 1)
+        per_layer = (10 * s * b * d + 24 * s * b * d // par.tp + 5 * m.n_head * s * s * b // par.tp) * width
+        activations = layers * per_layer + 8 * b * s * m.vocab_size
+        gathered = 2 * block * (2 if self.train.precision == "bf16" else 4) if par.shard > 1 else 0
+        return {
+            "weights": weights,
+            "gradients": gradients,
+            "optimizer": optimizer,
+            "activations": activations,
+            "gathered": gathered,
+        }
 
     def batch_at(self, world: int) -> int:
         """Samples per optimizer step with `world` workers."""

@@ -1,0 +1,179 @@
+"""Sharded state side by side in one run, on one model and one global batch: data parallel (2 ranks, each the
+whole model), ZeRO-1 (2 ranks, the optimizer state sharded), FSDP2 over 2 and 4 ranks (parallel.shard) and
+tp=2 × shard=2, as gloo ranks in processes on this machine (app/core/parallel.py).
+
+Per rank: parameter, gradient and optimizer bytes at rest (after an update), the process's peak resident memory
+when its part of the model is made and given its values (a rank that joins: the structure on the meta device, its
+part's values made tensor by tensor) and after the steps (FSDP gathers a block's parameters for its forward and
+backward), each above the process's memory before the model (torch imported); and the step time. CPU figures say
+little about GPUs, where FSDP's gathers overlap the compute: the step time is reported, not a target.
+
+    python bench/sharded.py [--rounds 3] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rounds import interleaved, publish, summary
+
+from app.core.config import ModelConfig, OptimConfig, ParallelConfig
+from app.core.layout_state import load_full
+from app.core.local_ranks import local_group, tensor_bytes
+from app.core.model import GPT, InitialWeights
+from app.core.optim import make_optimizer, make_param_groups, optimizer_class, optimizer_defaults
+from app.core.parallel import Replica, make_mesh
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODEL = ModelConfig(n_layer=8, n_head=8, d_model=768, seq_len=64, vocab_size=256)
+OPTIM = OptimConfig(warmup_steps=0)
+BATCH = 8
+VARIANTS = {  # name -> (ranks, layout; None: the whole model per rank, "zero1": with ZeRO-1's optimizer)
+    "data_parallel": (2, None),
+    "zero1": (2, "zero1"),
+    "shard2": (2, dict(shard=2)),
+    "shard4": (4, dict(shard=4)),
+    "tp2_shard2": (4, dict(tp=2, shard=2)),
+}
+
+
+def resident() -> int:
+    """This process's resident memory now, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak() -> int:
+    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rank_main(rank: int, world: int, layout, steps: int) -> dict:
+    torch.set_num_threads(1)
+    before = resident()
+    model, optimizer, step = build(rank, world, layout)
+    made = peak() - before
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, MODEL.vocab_size, (BATCH, MODEL.seq_len + 1), generator=g)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        step(rows)
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    held = optimizer.optim if hasattr(optimizer, "optim") else optimizer  # ZeRO-1 wraps its shard's optimizer
+    return {
+        "param_bytes": tensor_bytes(model.parameters()),
+        "grad_bytes": tensor_bytes(p.grad for p in model.parameters() if p.grad is not None),
+        "optimizer_bytes": tensor_bytes(t for s in held.state.values() for t in s.values() if t.dim()),
+        "made_peak_rss_bytes": made,
+        "peak_rss_bytes": peak() - before,
+        "step_s": statistics.median(times[1:]),
+    }
+
+
+def build(rank: int, world: int, layout):
+    """The rank's model, optimizer and step: a whole model (DDP's gradient all-reduce), or its part of a replica
+    made as a worker makes it (actors/worker/laid_out.py)."""
+    if layout is None or layout == "zero1":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        torch.manual_seed(0)
+        model = GPT(MODEL)
+        ddp = DDP(model)
+        if layout == "zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            optimizer = ZeroRedundancyOptimizer(
+                make_param_groups(model, OPTIM), optimizer_class=optimizer_class(OPTIM), **optimizer_defaults(OPTIM)
+            )
+        else:
+            optimizer = make_optimizer(model, OPTIM)
+
+        def step(rows):
+            mine = rows.chunk(world)[rank]
+            _, loss = ddp(mine[:, :-1], mine[:, 1:])
+            loss.backward()
+
+        return model, optimizer, step
+    cfg = ParallelConfig(**layout)
+    with torch.device("meta"):
+        model = GPT(MODEL)
+    replica = Replica(model, make_mesh(world, cfg, "cpu"), cfg, torch.device("cpu"))
+    replica.model.materialize(torch.device("cpu"))
+    optimizer = make_optimizer(replica.model, OPTIM)
+    load_full(replica, optimizer, {"model": InitialWeights(MODEL, 0), "optim": {}})
+
+    def step(rows):
+        replica.forward_backward(rows[:, :-1], rows[:, 1:])
+        replica.sync_and_clip(1.0)
+
+    return replica.model, optimizer, step
+
+
+def measure(name: str, steps: int) -> dict:
+    world, layout = VARIANTS[name]
+    ranks = local_group(world, rank_main, layout, steps).values()
+    return {
+        "state_bytes_per_rank": max(r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in ranks),
+        "param_bytes_per_rank": max(r["param_bytes"] for r in ranks),
+        "grad_bytes_per_rank": max(r["grad_bytes"] for r in ranks),
+        "optimizer_bytes_per_rank": max(r["optimizer_bytes"] for r in ranks),
+        "made_peak_rss_bytes": max(r["made_peak_rss_bytes"] for r in ranks),
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
+        "step_s": max(r["step_s"] for r in ranks),
+    }
+
+
+def line(name: str, r: dict) -> str:
+    mib = 2**20
+    return (
+        f"{name:14s} param+grad+optim {r['state_bytes_per_rank'] / mib:7.1f} MiB  "
+        f"peak RSS when made {r['made_peak_rss_bytes'] / mib:7.1f} MiB, after steps {r['peak_rss_bytes'] / mib:7.1f} "
+        f"MiB  step {r['step_s']:.2f} s"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every variant; figures are medians")
+    p.add_argument("--steps", type=int, default=6, help="steps per variant and round (the first is left out)")
+    p.add_argument("--out", default=str(RESULTS / "sharded.json"), help="where the report goes ('' for nowhere)")
+    args = p.parse_args()
+    runs = interleaved(args.rounds, list(VARIANTS), lambda name: measure(name, args.steps), line)
+    rows = {name: summary(r) for name, r in runs.items()}
+    med = {name: {k: v["median"] for k, v in row.items()} for name, row in rows.items()}
+    dp = med["data_parallel"]
+    ratios = {}
+    for name, n in (("shard2", 2), ("shard4", 4), ("tp2_shard2", 4)):
+        # the issue's targets: state ≤ 1.1/N of data parallel's, a joining rank's peak RSS ≤ 1.3/N of a whole model's
+        ratios[f"{name}_state_bytes_x_N_vs_data_parallel"] = (
+            med[name]["state_bytes_per_rank"] * n / dp["state_bytes_per_rank"]
+        )
+        ratios[f"{name}_made_peak_rss_x_N_vs_data_parallel"] = (
+            med[name]["made_peak_rss_bytes"] * n / dp["made_peak_rss_bytes"]
+        )
+    ratios |= {f"{name}_vs_data_parallel_step_time": med[name]["step_s"] / dp["step_s"] for name in VARIANTS}
+    ratios["zero1_state_bytes_vs_data_parallel"] = med["zero1"]["state_bytes_per_rank"] / dp["state_bytes_per_rank"]
+    report = {
+        "model": MODEL.model_dump(),
+        "params": GPT(MODEL).num_params(),
+        "global_batch": BATCH,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "machine": f"CPU, {os.cpu_count()} cores, gloo; one torch thread per rank; step times say little of a GPU",
+        "variants": rows,
+        "ratios": ratios,
+    }
+    publish(report, "ratios", args.out)
+
+
+if __name__ == "__main__":
+    main()
