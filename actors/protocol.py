@@ -27,7 +27,9 @@ class StepReport:
     worker_s: float
     comm_bytes: int
     dense_bytes: int
-    optimizer_bytes: int
+    optimizer_bytes: int  # this rank's optimizer state
+    param_bytes: int  # this rank's parameters: its shards of a sharded model's
+    peak_rss: int  # the worker process's peak resident memory so far, in bytes
     data: dict  # hits, misses, wait_s
     saving: bool  # a checkpoint part is still being written
     ppo: dict | None = None  # a PPO step's sums over this worker's rollouts (actors/worker/rollout.py)

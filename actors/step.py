@@ -128,6 +128,7 @@ class Stepper:
                 sum(r.dense_bytes for r in reports),
             )
             record.optimizer_bytes = [r.optimizer_bytes for r in reports]
+            record.param_bytes, record.peak_rss = [r.param_bytes for r in reports], [r.peak_rss for r in reports]
             cost = self.data.cost([r.data for r in reports])
             record.data_wait_s, record.cache_hits, record.cache_misses = (
                 cost["data_wait_s"],

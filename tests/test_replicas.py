@@ -70,6 +70,12 @@ def test_a_laid_out_job_trains_and_evaluates_as_one_whole_model_worker(single, m
     assert records(run_dir, "eval")[-1]["eval_loss"] == pytest.approx(evaluated, rel=1e-4)
     final = records(run_dir, "checkpoint")[-1]
     assert final["step"] == STEPS  # the whole model gathered from the replica's ranks, committed
+    last = records(run_dir, "train")[-1]  # what each rank holds: a part of the whole model's parameters
+    whole = 4 * cfg.model.param_count()
+    assert sum(last["param_bytes"]) >= whole and all(0 < b < whole for b in last["param_bytes"])
+    if cfg.parallel.shard > 1:  # every tensor split: about 1/ranks of the whole each (FSDP's dim-0 chunks)
+        assert max(last["param_bytes"]) <= 1.1 * whole / cfg.parallel.ranks
+    assert all(rss > whole for rss in last["peak_rss"])
 
 
 @pytest.mark.parametrize("layout", ["tp=2", "shard=2"])

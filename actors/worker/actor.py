@@ -26,7 +26,7 @@ import torch.distributed as dist
 from actors.protocol import StepReport
 from actors.worker import rollout, zero_state
 from actors.worker.data_parallel import DataParallel
-from actors.worker.engine import Engine
+from actors.worker.engine import Engine, peak_rss
 from actors.worker.injection import Injected, apply, tick
 from actors.worker.param_server import ParamServer
 from app.core import rewards
@@ -232,6 +232,8 @@ class TrainWorker:
             comm_bytes=stats.get("comm_bytes", 0),
             dense_bytes=stats.get("dense_bytes", 0),
             optimizer_bytes=engine.optimizer_bytes(),
+            param_bytes=engine.param_bytes(),
+            peak_rss=peak_rss(),
             data=data,
             saving=self._writing(),
         )

@@ -9,6 +9,7 @@ methods below; a new mode (sharded state) is one more engine, and one more line 
 from __future__ import annotations
 
 import math
+import resource
 import warnings
 from contextlib import nullcontext
 
@@ -93,6 +94,10 @@ class Engine:
         tensors = (_local(t) for st in held.state.values() for t in st.values() if torch.is_tensor(t))
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def param_bytes(self) -> int:
+        """Parameters this worker holds: its shards of a sharded model's."""
+        return sum(_local(p).numel() * _local(p).element_size() for p in self.model.parameters())
+
     def held_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer whose state this rank holds (ZeRO-1's wraps a shard's)."""
         return self.optimizer
@@ -166,6 +171,11 @@ class Engine:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A tensor as this rank holds it: its shard of a DTensor."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory so far, in bytes (Linux reports KiB): what a start, a join, a save took."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def snapshot(obj):

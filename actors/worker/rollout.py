@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from actors.protocol import StepReport, wait_for_scores
+from actors.worker.engine import peak_rss
 from app.core.model import sample
 from app.core.ppo import (
     boosted,
@@ -101,6 +102,8 @@ def ppo_step(engine, task, indices, beta: float, lr_scale: float, scorers: tuple
         comm_bytes=0,
         dense_bytes=0,
         optimizer_bytes=engine.optimizer_bytes(),
+        param_bytes=engine.param_bytes(),
+        peak_rss=peak_rss(),
         data=NO_DATA,
         saving=False,  # the actor's to say
         ppo={

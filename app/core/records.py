@@ -54,7 +54,9 @@ class Train(Record):
     speeds: list[float] | None = None
     comm_bytes: int | None = None
     dense_bytes: int | None = None
-    optimizer_bytes: list[int] | None = None
+    optimizer_bytes: list[int] | None = None  # per rank
+    param_bytes: list[int] | None = None  # per rank: its shards of a sharded model's
+    peak_rss: list[int] | None = None  # per rank: its process's peak resident memory so far
     data_wait_s: float | None = None
     cache_hits: int | None = None
     cache_misses: int | None = None
