@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from app.cli import main
+from app.core import sharded_checkpoint
 from app.core.config import ModelConfig, OptimConfig, ParallelConfig, load_config
 from app.core.layout_state import full_state, load_full, whole
 from app.core.local_ranks import local_group
@@ -49,17 +50,28 @@ def single() -> tuple[list[float], dict]:
 
 
 def train_rank(
-    rank: int, world: int, layout: dict, steps: range = range(STEPS), state: dict | None = None, save: bool = False
+    rank: int,
+    world: int,
+    layout: dict,
+    steps: range = range(STEPS),
+    state: dict | str | None = None,
+    save: bool | str = False,
 ) -> tuple[list[float], dict, dict | None]:
     """Per-step losses, the first step's clipped gradients (whole tensors) and, with `save`, the whole state after
-    the last step (on the replica's first rank). No rank holds the whole model: its part starts on the meta device."""
+    the last step (on the replica's first rank), or with a directory every rank's shards saved there with DCP, as
+    a sharded run saves them; `state` is such a whole state or directory. No rank holds the whole model: its part
+    starts on the meta device."""
     cfg = ParallelConfig(**layout)
     with torch.device("meta"):  # as a worker does: the structure only, then its part made and given its values
         model = GPT(MODEL)
     replica = Replica(model, make_mesh(world, cfg, "cpu"), cfg, torch.device("cpu"))
     replica.model.materialize(torch.device("cpu"))
     optimizer = make_optimizer(replica.model, OPTIM)
-    load_full(replica, optimizer, state or {"model": InitialWeights(MODEL, 0), "optim": {}})
+    load_full(
+        replica, optimizer, state if isinstance(state, dict) else {"model": InitialWeights(MODEL, 0), "optim": {}}
+    )
+    if isinstance(state, str):
+        sharded_checkpoint.load(replica.model, optimizer, state)
     mine, replicas = cfg.place(rank).replica, cfg.replicas(world)
     losses, first, every = [], {}, batches()
     for i in steps:
@@ -69,6 +81,10 @@ def train_rank(
         replica.sync_and_clip(OPTIM.grad_clip)
         first = first or {n: whole(p.grad) for n, p in replica.model.named_parameters()}
         optimizer.step()
+    if isinstance(save, str):
+        state = sharded_checkpoint.state_dict(replica.model, optimizer)
+        sharded_checkpoint.save(state, save, dist.group.WORLD).result()
+        return losses, first, None
     return losses, first, full_state(replica, optimizer) if save else None
 
 
@@ -105,16 +121,22 @@ TP2_SHARD2 = dict(tp=2, shard=2)
 
 @pytest.mark.parametrize(
     "saved_by, resumed_by",
-    [(TP2_PP2, {}), ({}, TP2_PP2), (TP2_SHARD2, dict(shard=2)), (dict(shard=2), TP2_PP2)],
-    ids=["tp2xpp2-to-1", "1-to-tp2xpp2", "tp2xshard2-to-shard2", "shard2-to-tp2xpp2"],
+    [(TP2_PP2, {}), ({}, TP2_PP2), (TP2_SHARD2, dict(shard=2)), (dict(shard=2), TP2_PP2), (dict(shard=2), {})],
+    ids=["tp2xpp2-to-1", "1-to-tp2xpp2", "tp2xshard2-to-shard2", "shard2-to-tp2xpp2", "shard2-to-1"],
 )
-def test_a_state_saved_by_one_layout_resumes_in_another_on_the_same_trajectory(single, saved_by, resumed_by):
+def test_a_state_saved_by_one_layout_resumes_in_another_on_the_same_trajectory(single, saved_by, resumed_by, tmp_path):
     """Weights and AdamW moments by whole-model name: halfway through, the state moves to the other layout, and
-    the second half's losses are the single process's."""
+    the second half's losses are the single process's. A sharded layout saves each rank's shards with DCP, which
+    the other layout reads resharded, as the trainer does; the others gather the whole state."""
     half = STEPS // 2
-    saved = local_group(ParallelConfig(**saved_by).ranks, train_rank, saved_by, range(half), None, True)
-    state = saved[0][2]
-    assert set(state["model"]) == set(GPT(MODEL).state_dict())
+    sharded = ParallelConfig(**saved_by).shard > 1
+    save = str(tmp_path / "dcp") if sharded else True
+    saved = local_group(ParallelConfig(**saved_by).ranks, train_rank, saved_by, range(half), None, save)
+    state = save if sharded else saved[0][2]
+    if sharded:
+        assert set(sharded_checkpoint.whole_state(state)["model"]) == set(GPT(MODEL).state_dict())
+    else:
+        assert set(state["model"]) == set(GPT(MODEL).state_dict())
     resumed = local_group(ParallelConfig(**resumed_by).ranks, train_rank, resumed_by, range(half, STEPS), state)
     for rank, (losses, _, _) in resumed.items():
         assert losses == pytest.approx(single[0][half:], rel=1e-4), f"rank {rank}"

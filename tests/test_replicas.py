@@ -152,16 +152,27 @@ def test_a_one_replica_layout_that_loses_a_rank_goes_back_to_its_checkpoint_and_
 
 
 @pytest.mark.parametrize(
-    "saved_by, resumed_by",
-    [("tp2xpp2", "single"), ("single", "tp2"), ("tp2xshard2", "shard2")],
-    ids=["tp2xpp2-to-single-on-s3", "single-to-tp2-on-disk", "tp2xshard2-to-shard2-on-s3"],
+    "saved_by, resumed_by, on",
+    [
+        ("tp2xpp2", "single", "s3"),
+        ("single", "tp2", "disk"),
+        ("tp2xshard2", "shard2", "s3"),
+        ("shard2", "single", "disk"),
+    ],
+    ids=[
+        "tp2xpp2-to-single-on-s3",
+        "single-to-tp2-on-disk",
+        "tp2xshard2-to-shard2-on-s3",
+        "shard2-to-single-on-disk",
+    ],
 )
 def test_a_checkpoint_resumes_in_another_layout_on_the_same_trajectory(
-    single, make_cfg, s3_bucket, saved_by, resumed_by
+    single, make_cfg, s3_bucket, saved_by, resumed_by, on
 ):
     """Saved at step 8 by one layout (the job then fails, a worker lost with no recovery allowed), resumed by
-    another: steps 9 to 12 are the single worker's."""
-    where = [f"checkpoint.uri={s3_bucket}/ck"] if saved_by != "single" else []
+    another: steps 9 to 12 are the single worker's. A sharded layout saves each rank's shards with torch DCP and
+    the loading layout reads them resharded (a single worker gathers them whole)."""
+    where = [f"checkpoint.uri={s3_bucket}/ck"] if on == "s3" else []
     layout = {"single": ["cluster.num_workers=1"], **LAYOUTS}
     common = [
         *BASE,
@@ -182,3 +193,6 @@ def test_a_checkpoint_resumes_in_another_layout_on_the_same_trajectory(
     assert_same_losses(losses(run_dir), single(STEPS)[0])
     # issue 27, defect 11: the report counted replicas by the run's config alone ([1, 4] for one replica each)
     assert write_report(run_dir)["summary"]["layout"]["replicas"] == [1]
+    saved = json.loads((run_dir / "checkpoints" / "step-00000008" / "commit.json").read_text()) if on == "disk" else {}
+    if "shard" in saved_by and saved:  # each rank's shards in its own file, no whole model anywhere
+        assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata", "extra.pt"} == set(saved["files"])

@@ -30,7 +30,16 @@ from actors.worker.engine import Engine, peak_rss
 from actors.worker.injection import Injected, apply, tick
 from actors.worker.param_server import ParamServer
 from app.core import rewards
-from app.core.checkpoint import LIGHT, deserialize, light_weights, model_weights, serialize, tensor_hash, write_part
+from app.core.checkpoint import (
+    DCP,
+    LIGHT,
+    deserialize,
+    light_weights,
+    model_weights,
+    serialize,
+    tensor_hash,
+    write_part,
+)
 from app.core.config import Config
 from app.core.flops import peak_flops
 from pipelines.order import Layout, take
@@ -313,7 +322,7 @@ class TrainWorker:
         if self._saving is not None:  # a save the coordinator never collected (it went back past it): let it end
             wait([self._saving])
             self._saving = None
-        parts, weights = self.engine.checkpoint_parts(level)
+        parts, weights = self.engine.checkpoint_parts(level, path)
         self._saving = self._writer.submit(self._write, path, level, parts, weights, base_hashes)
         if not background:  # written when this returns; checkpoint_wait hands over the files or the error
             wait([self._saving])
@@ -333,7 +342,10 @@ class TrainWorker:
             weights = light_weights(weights, hashes, base_hashes, self.cfg.checkpoint.light_dtype)
         if weights is not None:
             parts = {"model.pt": weights, **parts}
-        return {"files": {name: write_part(path, name, obj) for name, obj in parts.items()}, "hashes": hashes}
+        files = {}
+        for name, obj in parts.items():
+            files |= obj() if callable(obj) else {name: write_part(path, name, obj)}
+        return {"files": files, "hashes": hashes}
 
     def _writing(self) -> bool:
         """A checkpoint part is still being written."""
@@ -355,7 +367,10 @@ def spawn(cfg: Config, manifest: str, count: int, avoid: set[str] = frozenset())
 
 
 def assemble(parts: dict[str, bytes]) -> dict:
-    """A checkpoint's parts as one state: a light checkpoint's weights over its base's, ZeRO-1 shards merged."""
+    """A checkpoint's parts as one state: a light checkpoint's weights over its base's, ZeRO-1 shards merged; a
+    sharded run's as the URI of its DCP files, which each rank reads its part of (engine `load`)."""
+    if DCP in parts:
+        return {"dcp": parts[DCP].decode(), **deserialize(parts["extra.pt"]), "residuals": None}
     model = model_weights(parts)
     if "optim.pt" in parts:
         optimizer = deserialize(parts["optim.pt"])

@@ -13,7 +13,9 @@ from actors.worker import zero_state
 from actors.worker.compress import GradSync
 from actors.worker.engine import Engine, snapshot
 from actors.worker.injection import Injected
+from app.core import sharded_checkpoint
 from app.core.finetune import load_trained_state, trained_state
+from app.core.layout_state import as_optimizer_state, whole_groups
 from app.core.model import GPT
 from app.core.optim import make_optimizer, make_param_groups, optimizer_class, optimizer_defaults
 
@@ -103,8 +105,15 @@ class DataParallel(Engine):
                 self.sync.regroup(self.rank, self.world, list(self.model.named_parameters()), step)
             elif self.world == 1:
                 self.sync.drop()
-        load_trained_state(self.model, state["model"])
         plain = make_optimizer(self.model, self.cfg.optim)
+        if "dcp" in state:  # a sharded run's checkpoint: the whole state, gathered from its files
+            whole = sharded_checkpoint.whole_state(state["dcp"])
+            names = whole_groups(self.cfg.model, self.cfg.optim)
+            state |= {
+                "model": whole["model"],
+                "optimizer": as_optimizer_state(whole["optim"], plain.param_groups, names),
+            }
+        load_trained_state(self.model, state["model"])
         plain.load_state_dict(state["optimizer"])
         self.set_optimizer(plain)
         self.sharded = False
@@ -112,7 +121,7 @@ class DataParallel(Engine):
         if self.cfg.comm.zero and self.world > 1:
             self._shard_optimizer()
 
-    def checkpoint_parts(self, level: str) -> tuple[dict, dict | None]:
+    def checkpoint_parts(self, level: str, path: str) -> tuple[dict, dict | None]:
         """Rank 0 writes the weights, scheduler and scaler; the optimizer state is rank 0's, or under ZeRO-1 each
         rank writes its own shard; with top-k every rank writes its residuals too (full saves)."""
         lead = self.rank <= 0

@@ -83,9 +83,10 @@ class Engine:
         """Take a peer's state or a checkpoint's (assembled: actor.assemble), which are at `step`."""
         raise NotImplementedError
 
-    def checkpoint_parts(self, level: str) -> tuple[dict, dict | None]:
-        """(file name -> object, the weights or None) this rank writes for a save of `level`, copied off the
-        training state (the write happens in the background)."""
+    def checkpoint_parts(self, level: str, path: str) -> tuple[dict, dict | None]:
+        """(file name -> object, the weights or None) this rank writes for a save of `level` under `path`, copied
+        off the training state (the write happens in the background). An object may be a callable that waits for
+        files written by other means (DCP's own thread) and returns them, name -> size and sha256."""
         raise NotImplementedError
 
     def optimizer_bytes(self) -> int:

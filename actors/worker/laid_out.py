@@ -10,11 +10,15 @@ place, or it takes the state of its twin (the same place in another replica)."""
 from __future__ import annotations
 
 import os
+import posixpath
+from concurrent.futures import Future, wait
 
 import torch
+import torch.distributed as dist
 
 from actors.worker.engine import Engine, snapshot
 from actors.worker.injection import Injected
+from app.core import sharded_checkpoint
 from app.core.finetune import base_weights
 from app.core.layout_state import (
     as_optimizer_state,
@@ -34,6 +38,8 @@ class LaidOut(Engine):
     def __init__(self, cfg, device):
         super().__init__(cfg, device)
         self.replica: Replica | None = None  # in a group: this rank's part
+        self.save_group = None  # sharded: the first replica's ranks, which write a checkpoint with DCP
+        self.saving: Future | None = None  # that save, in the background: finished before the group goes
         self.held: dict | None = None  # out of a group: the part's state, as layout_state.local_state
 
     def build_model(self) -> GPT:
@@ -55,6 +61,8 @@ class LaidOut(Engine):
         param_dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else None  # FSDP's compute dtype
         self.replica = Replica(model, make_mesh(world, par, self.device.type), par, self.device, param_dtype)
         self.replica.model.materialize(self.device)
+        if par.shard > 1:  # every rank makes every group, in one order; gloo: DCP stages on the host
+            self.save_group = dist.new_group(list(range(par.ranks)), backend="gloo")
         self.optimizer = make_optimizer(self.replica.model, self.cfg.optim)
         schedule = self.scheduler.state_dict() if self.held is None else self.held["scheduler"]
         self.scheduler = make_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.steps)
@@ -75,7 +83,11 @@ class LaidOut(Engine):
         return InitialWeights(self.cfg.model, self.cfg.train.seed)
 
     def leave(self, failed: bool) -> None:
-        """Keep the part's state, not the part: its mesh goes with the group."""
+        """Keep the part's state, not the part: its mesh goes with the group (after a sharded save in flight,
+        which writes with the group's ranks, unless a collective failed)."""
+        if self.saving is not None and not failed:
+            wait([self.saving])
+        self.saving = self.save_group = None
         if self.replica is not None:
             self.held = local_state(self.replica, self.optimizer) | {"scheduler": self.scheduler.state_dict()}
             # `held` has the part's values: the next group builds the part afresh
@@ -120,21 +132,28 @@ class LaidOut(Engine):
         return local_state(self.replica, self.optimizer) | self.schedule_state()
 
     def load(self, state: dict, step: int) -> None:
-        """A twin's part (a state with "at"), or a whole model's (a checkpoint's, from any layout): this rank's part."""
+        """A twin's part (a state with "at"), a sharded checkpoint's (its DCP files, from any layout: this rank
+        reads the slices it holds), or a whole model's (a checkpoint's, from any layout): this rank's part."""
         if "at" in state:
             load_local(self.replica, self.optimizer, state)
+        elif "dcp" in state:
+            sharded_checkpoint.load(self.model, self.optimizer, state["dcp"])
         else:
             whole = {"model": state["model"], "optim": self._by_name(state["optimizer"])}
             load_full(self.replica, self.optimizer, whole)
         self.load_schedule(state, step)
         self.applied = step
 
-    def checkpoint_parts(self, level: str) -> tuple[dict, dict | None]:
-        """The whole model's state gathered on rank 0 from the first replica's ranks, in the format every layout
-        and a plain run read (model.pt, optim.pt by the whole model's parameter order): a checkpoint resumes in
-        any layout. The other replicas hold the same state and take no part."""
+    def checkpoint_parts(self, level: str, path: str) -> tuple[dict, dict | None]:
+        """Sharded (parallel.shard > 1): the first replica's ranks each write the shards they hold with DCP, in
+        the background once copied to host memory, and rank 0 the schedule. Otherwise the whole model's state
+        gathered on rank 0 from the first replica's ranks, in the format every layout and a plain run read
+        (model.pt, optim.pt by the whole model's parameter order). Either resumes in any layout; the other
+        replicas hold the same state and take no part."""
         if self.replica.at.replica != 0:
             return {}, None
+        if self.save_group is not None:
+            return self._sharded_parts(path), None
         full = full_state(self.replica, self.optimizer)
         if full is None:  # not the replica's first rank: its part is in `full` there
             return {}, None
@@ -144,6 +163,22 @@ class LaidOut(Engine):
             parts["optim.pt"] = as_optimizer_state(full["optim"], self.optimizer.param_groups, groups)
             parts["extra.pt"] = snapshot(self.schedule_state())
         return parts, full["model"]
+
+    def _sharded_parts(self, path: str) -> dict:
+        uri = posixpath.join(path, sharded_checkpoint.DCP)
+        self.saving = sharded_checkpoint.save(
+            sharded_checkpoint.state_dict(self.model, self.optimizer), uri, self.save_group
+        )
+        group_rank, saving = dist.get_rank(self.save_group), self.saving
+
+        def written() -> dict:
+            saving.result()
+            return sharded_checkpoint.written(uri, group_rank)
+
+        parts: dict = {"dcp": written}
+        if group_rank == 0:
+            parts["extra.pt"] = snapshot(self.schedule_state())
+        return parts
 
     def _by_name(self, optimizer_state: dict) -> dict:
         """A whole model's optimizer state by parameter name (layout_state's form)."""

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 COMMIT = "commit.json"
 CURSOR = "cursor.json"
 LIGHT = "light.pt"  # a light checkpoint's weights, as handed to the loader beside its base's parts
+DCP = "dcp"  # a sharded run's directory of DCP files in a step directory; in the parts handed on, its URI
 
 
 class CheckpointError(RuntimeError):
@@ -46,7 +47,8 @@ class CheckpointError(RuntimeError):
 class Checkpoint:
     path: str  # the newest level's directory
     meta: dict  # its commit
-    parts: dict[str, bytes]  # verified part files; a light one's weights under LIGHT, the rest from its base
+    parts: dict[str, bytes]  # verified part files; a light one's weights under LIGHT, the rest from its base; a
+    # sharded run's DCP files verified but not read (each rank reads its own): their directory's URI under DCP
     base: str | None = None  # the full checkpoint a light one completes
 
 
@@ -212,7 +214,12 @@ def _load(fs, path: str, meta: dict) -> Checkpoint:
 
 
 def model_weights(parts: dict[str, bytes]) -> dict:
-    """A checkpoint's model weights: its model.pt, with a light checkpoint's changed tensors over its base's."""
+    """A checkpoint's model weights: its model.pt, with a light checkpoint's changed tensors over its base's; a
+    sharded run's gathered from its DCP files (the one place a sharded model is whole: export, a base)."""
+    if DCP in parts:
+        from app.core.sharded_checkpoint import whole_state
+
+        return whole_state(parts[DCP].decode())["model"]
     model = deserialize(parts["model.pt"])
     if LIGHT in parts:
         model |= {k: v.to(model[k].dtype) for k, v in deserialize(parts[LIGHT]).items()}
@@ -302,16 +309,35 @@ def _put_whole(fs, target: str, body: bytes) -> None:
 
 
 def _read_parts(fs, path: str, meta: dict) -> dict[str, bytes]:
+    """The parts, each verified against its sha256; DCP files verified as they stream by, and handed on as their
+    directory (the ranks read them)."""
     parts = {}
     for name, expected in meta["files"].items():
         try:
-            data = fs.cat_file(posixpath.join(path, name))
+            if name.startswith(DCP + "/"):
+                digest, data = file_digest(fs, posixpath.join(path, name))["sha256"], None
+            else:
+                data = fs.cat_file(posixpath.join(path, name))
+                digest = hashlib.sha256(data).hexdigest()
         except FileNotFoundError:
             raise CheckpointError(f"{name} is missing") from None
-        if hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        if digest != expected["sha256"]:
             raise CheckpointError(f"{name} does not match its sha256 (corrupt)")
-        parts[name] = data
+        if data is None:
+            parts[DCP] = fs.unstrip_protocol(posixpath.join(path, DCP)).encode()
+        else:
+            parts[name] = data
     return parts
+
+
+def file_digest(fs, path: str) -> dict:
+    """A file's size and sha256, read in chunks: a shard of a large model is never in memory whole."""
+    sha, size = hashlib.sha256(), 0
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            sha.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": sha.hexdigest()}
 
 
 def _read_commit(fs, path: str, quiet: bool = False) -> dict | None:

@@ -1,0 +1,63 @@
+"""A sharded run's checkpoints (app/core/sharded_checkpoint.py): each rank's shards written with torch DCP in the
+background, under the checkpoint's commit; a failed write, a tampered file and a hostile metadata file."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+
+import fsspec
+import pytest
+
+from app.core import checkpoint
+from app.core.sharded_checkpoint import _MetadataUnpickler
+
+from runs import records, run
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_failed_shard_write_is_recorded_and_a_tampered_shard_is_named_on_load(make_cfg, s3_bucket, s3_faults):
+    """shard=2 on S3, a save every 2 steps: storage refuses rank 1's shard of step 4 mid-save. That save is recorded
+    as failed and never committed, training goes on, the later saves commit each rank's files. Then a byte of a
+    committed shard changes: loading that checkpoint names the file, and the newest good one is taken instead."""
+    s3_faults.fail("PUT", r"step-00000004/dcp/__1_0\.distcp")
+    uri = f"{s3_bucket}/ck"
+    run_dir = run(
+        make_cfg,
+        "dcp-failed",
+        "cluster.num_workers=2",
+        "parallel.shard=2",
+        "train.steps=8",
+        "checkpoint.every=2",
+        "checkpoint.keep=3",
+        f"checkpoint.uri={uri}",
+    )
+    assert [f["step"] for f in records(run_dir, "checkpoint_failed")] == [4]
+    assert [c["step"] for c in records(run_dir, "checkpoint")] == [2, 6, 8]
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 9))
+    newest = checkpoint.load_latest(uri)
+    assert newest.meta["step"] == 8
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata", "extra.pt"} == set(newest.meta["files"])
+    assert set(newest.parts) == {"extra.pt", checkpoint.DCP}  # shards verified, not read by the coordinator
+
+    fs, root = fsspec.core.url_to_fs(newest.path)
+    shard = f"{root}/dcp/__1_0.distcp"
+    data = bytearray(fs.cat_file(shard))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(shard, bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match=r"dcp/__1_0\.distcp does not match its sha256"):
+        checkpoint.load_at(newest.path)
+    assert checkpoint.load_latest(uri).meta["step"] == 6
+
+
+class _Hostile:
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
+def test_a_metadata_file_that_would_build_anything_else_is_refused():
+    """DCP's `.metadata` is a pickle: from storage it may build DCP's metadata classes and torch's sizes and dtypes,
+    not a call to anything else."""
+    with pytest.raises(pickle.UnpicklingError, match="may not build posix.getcwd"):
+        _MetadataUnpickler(io.BytesIO(pickle.dumps(_Hostile()))).load()
