@@ -6,7 +6,11 @@ Per rank: parameter, gradient and optimizer bytes at rest (after an update), the
 when its part of the model is made and given its values (a rank that joins: the structure on the meta device, its
 part's values made tensor by tensor) and after the steps (FSDP gathers a block's parameters for its forward and
 backward), each above the process's memory before the model (torch imported); and the step time. CPU figures say
-little about GPUs, where FSDP's gathers overlap the compute: the step time is reported, not a target.
+little about GPUs, where FSDP's gathers overlap the compute: the step time is reported, not a target. For the
+sharded layouts, a checkpoint both ways on rank 0: the whole state gathered there and written with torch.save (how
+layouts saved before torch DCP; training waits throughout) against DCP's asynchronous save (training waits while
+each rank copies its shards to host memory): the time training is blocked and the memory the save takes (rank
+0's resident memory sampled every millisecond, above its level before the save).
 
 Every rank runs with MALLOC_MMAP_THRESHOLD_=65536, so that resident memory shows what a rank holds: glibc's
 threshold otherwise rises to the size of each block freed (up to 32 MiB), and the buffers FSDP gathers and frees
@@ -23,20 +27,25 @@ import argparse
 import os
 import resource
 import statistics
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from rounds import interleaved, publish, summary
 
+from app.core import sharded_checkpoint
 from app.core.config import ModelConfig, OptimConfig, ParallelConfig
-from app.core.layout_state import load_full
+from app.core.layout_state import full_state, load_full
 from app.core.local_ranks import local_group, tensor_bytes
 from app.core.model import GPT, InitialWeights
 from app.core.optim import make_optimizer, make_param_groups, optimizer_class, optimizer_defaults
 from app.core.parallel import Replica, make_mesh
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SAVE_FIGURES = ("gathered_save_s", "gathered_save_rss_bytes", "dcp_blocked_s", "dcp_written_s", "dcp_save_rss_bytes")
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by each rank's process as it starts
 MODEL = ModelConfig(n_layer=8, n_head=8, d_model=768, seq_len=64, vocab_size=256)
 OPTIM = OptimConfig(warmup_steps=0)
@@ -61,10 +70,61 @@ def peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def rank_main(rank: int, world: int, layout, steps: int) -> dict:
+class Sampled:
+    """The peak of this process's resident memory while the context is open, above its level at the start, sampled
+    every millisecond: what one save takes (ru_maxrss keeps the training's peak)."""
+
+    def __enter__(self):
+        self.start, self.top, self._done = resident(), resident(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.001):
+            self.top = max(self.top, resident())
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+        self.top = max(self.top, resident())
+        self.peak = self.top - self.start
+
+
+def save_costs(rank: int, replica: Replica, optimizer, out: str) -> dict:
+    """A checkpoint of a sharded layout both ways, on rank 0: today's before DCP (the whole state gathered on rank
+    0, written there with torch.save, training blocked throughout) and DCP's asynchronous save (training blocked
+    while each rank copies its shards to host memory; written in the background)."""
+    dist.barrier()
+    with Sampled() as gathered:
+        started = time.perf_counter()
+        full = full_state(replica, optimizer)
+        if full is not None:
+            torch.save(full, os.path.join(out, "whole.pt"))
+        del full
+        dist.barrier()
+        gathered_s = time.perf_counter() - started
+    with Sampled() as sharded:
+        started = time.perf_counter()
+        saving = sharded_checkpoint.save(
+            sharded_checkpoint.state_dict(replica.model, optimizer), out + "/dcp", dist.group.WORLD
+        )
+        blocked_s = time.perf_counter() - started
+        saving.result()
+        written_s = time.perf_counter() - started
+    return {
+        "gathered_save_s": gathered_s,
+        "gathered_save_rss_bytes": gathered.peak,
+        "dcp_blocked_s": blocked_s,
+        "dcp_written_s": written_s,
+        "dcp_save_rss_bytes": sharded.peak,
+    }
+
+
+def rank_main(rank: int, world: int, layout, steps: int, out: str) -> dict:
     torch.set_num_threads(1)
     before = resident()
-    model, optimizer, step = build(rank, world, layout)
+    model, optimizer, step, replica = build(rank, world, layout)
     made = peak() - before
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(0, MODEL.vocab_size, (BATCH, MODEL.seq_len + 1), generator=g)
@@ -83,7 +143,7 @@ def rank_main(rank: int, world: int, layout, steps: int) -> dict:
         "made_peak_rss_bytes": made,
         "peak_rss_bytes": peak() - before,
         "step_s": statistics.median(times[1:]),
-    }
+    } | (save_costs(rank, replica, optimizer, out) if replica is not None else {})
 
 
 def build(rank: int, world: int, layout):
@@ -109,7 +169,7 @@ def build(rank: int, world: int, layout):
             _, loss = ddp(mine[:, :-1], mine[:, 1:])
             loss.backward()
 
-        return model, optimizer, step
+        return model, optimizer, step, None
     cfg = ParallelConfig(**layout)
     with torch.device("meta"):
         model = GPT(MODEL)
@@ -122,13 +182,17 @@ def build(rank: int, world: int, layout):
         replica.forward_backward(rows[:, :-1], rows[:, 1:])
         replica.sync_and_clip(1.0)
 
-    return replica.model, optimizer, step
+    return replica.model, optimizer, step, replica
 
 
 def measure(name: str, steps: int) -> dict:
     world, layout = VARIANTS[name]
-    ranks = local_group(world, rank_main, layout, steps).values()
-    return {
+    with tempfile.TemporaryDirectory(prefix="sharded-bench-") as out:
+        ranks = local_group(world, rank_main, layout, steps, out)
+    first = ranks[0]  # rank 0: the one a gathered save lands on
+    ranks = ranks.values()
+    saves = {k: first[k] for k in SAVE_FIGURES if k in first}
+    return saves | {
         "state_bytes_per_rank": max(r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in ranks),
         "param_bytes_per_rank": max(r["param_bytes"] for r in ranks),
         "grad_bytes_per_rank": max(r["grad_bytes"] for r in ranks),
@@ -141,10 +205,16 @@ def measure(name: str, steps: int) -> dict:
 
 def line(name: str, r: dict) -> str:
     mib = 2**20
+    saves = (
+        f"  save: gathered {r['gathered_save_s']:.2f} s {r['gathered_save_rss_bytes'] / mib:.0f} MiB, DCP blocked "
+        f"{r['dcp_blocked_s']:.3f} s (written {r['dcp_written_s']:.2f} s) {r['dcp_save_rss_bytes'] / mib:.0f} MiB"
+        if "dcp_blocked_s" in r
+        else ""
+    )
     return (
         f"{name:14s} param+grad+optim {r['state_bytes_per_rank'] / mib:7.1f} MiB  "
         f"peak RSS when made {r['made_peak_rss_bytes'] / mib:7.1f} MiB, after steps {r['peak_rss_bytes'] / mib:7.1f} "
-        f"MiB  step {r['step_s']:.2f} s"
+        f"MiB  step {r['step_s']:.2f} s{saves}"
     )
 
 
@@ -168,6 +238,12 @@ def main() -> None:
             med[name]["made_peak_rss_bytes"] * n / dp["made_peak_rss_bytes"]
         )
     ratios |= {f"{name}_vs_data_parallel_step_time": med[name]["step_s"] / dp["step_s"] for name in VARIANTS}
+    for name, n in (("shard2", 2), ("shard4", 4), ("tp2_shard2", 4)):
+        # the issue's targets: DCP's blocked time ≤ 0.1× the gathered save's, rank 0's memory in a save ≤ 1.3/N of it
+        ratios[f"{name}_dcp_blocked_vs_gathered_save"] = med[name]["dcp_blocked_s"] / med[name]["gathered_save_s"]
+        ratios[f"{name}_dcp_save_rss_x_N_vs_gathered"] = (
+            med[name]["dcp_save_rss_bytes"] * n / med[name]["gathered_save_rss_bytes"]
+        )
     ratios["zero1_state_bytes_vs_data_parallel"] = med["zero1"]["state_bytes_per_rank"] / dp["state_bytes_per_rank"]
     report = {
         "model": MODEL.model_dump(),
