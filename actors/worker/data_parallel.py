@@ -13,7 +13,6 @@ from actors.worker import zero_state
 from actors.worker.compress import GradSync
 from actors.worker.engine import Engine, snapshot
 from actors.worker.injection import Injected
-from app.core import sharded_checkpoint
 from app.core.finetune import load_trained_state, trained_state
 from app.core.layout_state import as_optimizer_state, whole_groups
 from app.core.model import GPT
@@ -107,7 +106,9 @@ class DataParallel(Engine):
                 self.sync.drop()
         plain = make_optimizer(self.model, self.cfg.optim)
         if "dcp" in state:  # a sharded run's checkpoint: the whole state, gathered from its files
-            whole = sharded_checkpoint.whole_state(state["dcp"])
+            from app.core.sharded_checkpoint import whole_state  # torch DCP: imported only for one
+
+            whole = whole_state(state["dcp"])
             names = whole_groups(self.cfg.model, self.cfg.optim)
             state |= {
                 "model": whole["model"],
