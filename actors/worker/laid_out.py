@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from actors.worker.engine import Engine, snapshot
 from actors.worker.injection import Injected
-from app.core import sharded_checkpoint
+from app.core.checkpoint import DCP
 from app.core.finetune import base_weights
 from app.core.layout_state import (
     as_optimizer_state,
@@ -41,6 +41,11 @@ class LaidOut(Engine):
         self.save_group = None  # sharded: the first replica's ranks, which write a checkpoint with DCP
         self.saving: Future | None = None  # that save, in the background: finished before the group goes
         self.held: dict | None = None  # out of a group: the part's state, as layout_state.local_state
+        self.dcp = None  # sharded: app/core/sharded_checkpoint.py, imported as the worker is built (torch DCP, ~1.5 s)
+        if cfg.parallel.shard > 1:
+            from app.core import sharded_checkpoint
+
+            self.dcp = sharded_checkpoint
 
     def build_model(self) -> GPT:
         """The model's structure only: each rank makes its part when it joins."""
@@ -137,7 +142,9 @@ class LaidOut(Engine):
         if "at" in state:
             load_local(self.replica, self.optimizer, state)
         elif "dcp" in state:
-            sharded_checkpoint.load(self.model, self.optimizer, state["dcp"])
+            from app.core.sharded_checkpoint import load  # a tp/pp layout reads a sharded run's checkpoint too
+
+            load(self.model, self.optimizer, state["dcp"])
         else:
             whole = {"model": state["model"], "optim": self._by_name(state["optimizer"])}
             load_full(self.replica, self.optimizer, whole)
@@ -165,15 +172,13 @@ class LaidOut(Engine):
         return parts, full["model"]
 
     def _sharded_parts(self, path: str) -> dict:
-        uri = posixpath.join(path, sharded_checkpoint.DCP)
-        self.saving = sharded_checkpoint.save(
-            sharded_checkpoint.state_dict(self.model, self.optimizer), uri, self.save_group
-        )
+        uri = posixpath.join(path, DCP)
+        self.saving = self.dcp.save(self.dcp.state_dict(self.model, self.optimizer), uri, self.save_group)
         group_rank, saving = dist.get_rank(self.save_group), self.saving
 
         def written() -> dict:
             saving.result()
-            return sharded_checkpoint.written(uri, group_rank)
+            return self.dcp.written(uri, group_rank)
 
         parts: dict = {"dcp": written}
         if group_rank == 0:
