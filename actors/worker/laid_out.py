@@ -41,11 +41,8 @@ class LaidOut(Engine):
         self.save_group = None  # sharded: the first replica's ranks, which write a checkpoint with DCP
         self.saving: Future | None = None  # that save, in the background: finished before the group goes
         self.held: dict | None = None  # out of a group: the part's state, as layout_state.local_state
-        self.dcp = None  # sharded: app/core/sharded_checkpoint.py, imported as the worker is built (torch DCP, ~1.5 s)
-        if cfg.parallel.shard > 1:
-            from app.core import sharded_checkpoint
-
-            self.dcp = sharded_checkpoint
+        if cfg.parallel.shard > 1:  # torch DCP (~1.5 s to import) as the worker is built, not in its first save
+            import app.core.sharded_checkpoint  # noqa: F401
 
     def build_model(self) -> GPT:
         """The model's structure only: each rank makes its part when it joins."""
@@ -172,13 +169,15 @@ class LaidOut(Engine):
         return parts, full["model"]
 
     def _sharded_parts(self, path: str) -> dict:
+        from app.core import sharded_checkpoint as dcp
+
         uri = posixpath.join(path, DCP)
-        self.saving = self.dcp.save(self.dcp.state_dict(self.model, self.optimizer), uri, self.save_group)
+        self.saving = dcp.save(dcp.state_dict(self.model, self.optimizer), uri, self.save_group)
         group_rank, saving = dist.get_rank(self.save_group), self.saving
 
         def written() -> dict:
             saving.result()
-            return self.dcp.written(uri, group_rank)
+            return dcp.written(uri, group_rank)
 
         parts: dict = {"dcp": written}
         if group_rank == 0:
