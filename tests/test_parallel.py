@@ -162,6 +162,7 @@ def test_stages_split_the_blocks_evenly_middle_stages_first():
         (["parallel.shard=2", "comm.zero=true"], "comm.zero with parallel.tp × parallel.pp × parallel.shard > 1"),
         (["parallel.shard=2", "cluster.num_workers=3"], "parallel.tp × parallel.pp × parallel.shard = 2 ranks"),
         (["parallel.shard=4", "cluster.num_workers=4", "train.global_batch=6"], "a multiple of 4"),
+        (["parallel.shard=2", "checkpoint.light_every=5"], "checkpoint.light_every=5 with parallel.shard=2 is not"),
     ],
 )
 def test_a_layout_the_model_or_batch_cannot_take_is_refused_by_name(overrides, message):

@@ -125,17 +125,19 @@ def test_a_rank_lost_takes_its_replica_out_and_a_replica_formed_from_the_pool_ta
     assert f"tp {tp} × pp 1{' × shard 2' if shard > 1 else ''}; replicas 1–2" in report["html"].read_text()
 
 
-def test_a_one_replica_layout_that_loses_a_rank_goes_back_to_its_checkpoint_and_goes_on(single, make_cfg, rng):
+@pytest.mark.parametrize("layout", ["tp=2", "shard=2"])
+def test_a_one_replica_layout_that_loses_a_rank_goes_back_to_its_checkpoint_and_goes_on(single, make_cfg, rng, layout):
     """Issue 27, defect 12: one replica of tp=2 losing a rank said "no worker left" while the other rank lived, and
     the `--resume` it suggested fired the injected fault again. No live replica holds the lost rank's part, so the
     run goes back to its last checkpoint (saved two steps or more before the loss), re-forms one replica from the
-    live rank and a pool worker started meanwhile (cluster.warm_pool=0), and trains the single worker's steps."""
+    live rank and a pool worker started meanwhile (cluster.warm_pool=0), and trains the single worker's steps.
+    With shard=2 (issue 29, item 4) the checkpoint is each rank's DCP shards, read back by the re-formed replica."""
     saved, lost = rng.choice([4, 8]), rng.randrange(2)
     cfg = make_cfg(
         *BASE,
         "run.name=one-replica",
         "cluster.num_workers=2",
-        "parallel.tp=2",
+        f"parallel.{layout}",
         "checkpoint.every=4",
         f"faults=[{{rank: {lost}, step: {saved + 3}, kind: kill}}]",
     )
