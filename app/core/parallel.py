@@ -2,9 +2,10 @@
 stages, the parameter sharding (FSDP2), and the gradient sync and clipping that the layout needs.
 
 torchtitan's split: the model (app/core/model.py) knows nothing of ranks; this module cuts it up (TP, then FSDP
-over the shard dimension, per block and at the root); the step drives the schedule. Every rank builds the whole
-model from one seed and keeps its part, so the initial weights of any layout are those of the unsplit model. Rank
-order: ParallelConfig.place. Replicas are HSDP's replicate dimension: their gradients are all-reduced here, shard
+over the shard dimension, per block and at the root); the step drives the schedule. A rank cuts the model's
+structure (built on the meta device) and then gives its part values (model.InitialWeights, tensor by tensor), so
+no rank holds the whole model and the initial weights of any layout are those of the unsplit model. Rank order:
+ParallelConfig.place. Replicas are HSDP's replicate dimension: their gradients are all-reduced here, shard
 by shard, each weighted by the replica's share of the global batch, so that replicas come and go.
 """
 
