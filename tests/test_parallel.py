@@ -71,7 +71,7 @@ def train_rank(
         replica, optimizer, state if isinstance(state, dict) else {"model": InitialWeights(MODEL, 0), "optim": {}}
     )
     if isinstance(state, str):
-        sharded_checkpoint.load(replica.model, optimizer, state)
+        sharded_checkpoint.load(replica.model, optimizer, state, replica.tied)
     mine, replicas = cfg.place(rank).replica, cfg.replicas(world)
     losses, first, every = [], {}, batches()
     for i in steps:

@@ -141,7 +141,7 @@ class LaidOut(Engine):
         elif "dcp" in state:
             from app.core.sharded_checkpoint import load  # a tp/pp layout reads a sharded run's checkpoint too
 
-            load(self.model, self.optimizer, state["dcp"])
+            load(self.model, self.optimizer, state["dcp"], self.replica.tied)
         else:
             whole = {"model": state["model"], "optim": self._by_name(state["optimizer"])}
             load_full(self.replica, self.optimizer, whole)

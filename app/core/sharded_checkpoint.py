@@ -24,11 +24,18 @@ from app.core.checkpoint import DCP, file_digest
 METADATA = ".metadata"
 
 
-def state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tied: bool = False) -> dict:
     """What DCP saves and loads in place: weights and optimizer state by the whole model's parameter names, each
-    tensor as this rank holds it (a DTensor's shard), so that any layout names every tensor alike."""
-    optim = {name: optimizer.state[p] for name, p in model.named_parameters() if p in optimizer.state}
+    tensor as this rank holds it (a DTensor's shard), so that any layout names every tensor alike. `tied`: the
+    head is a pipeline's last-stage copy of the tied embedding, whose optimizer state is the embedding's."""
+    optim = {
+        _optim_name(name, tied): optimizer.state[p] for name, p in model.named_parameters() if p in optimizer.state
+    }
     return {"model": model.state_dict(), "optim": optim}
+
+
+def _optim_name(name: str, tied: bool) -> str:
+    return "embed.weight" if tied and name == "head.weight" else name
 
 
 def save(state: dict, uri: str, group) -> Future:
@@ -48,15 +55,16 @@ def written(uri: str, group_rank: int) -> dict[str, dict]:
     return {posixpath.join(DCP, posixpath.basename(p)): file_digest(fs, p) for p in mine}
 
 
-def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
+def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str, tied: bool = False) -> None:
     """Take the checkpoint under `uri` into this rank's part, in place: each rank reads the slices it holds."""
     reader = _reader(uri)
     saved = reader.read_metadata().state_dict_metadata
     for name, p in model.named_parameters():  # AdamW's state is made lazily: room for what the checkpoint holds
-        keys = {k.rsplit(".", 1)[1] for k in saved if k.startswith(f"optim.{name}.")}
+        prefix = f"optim.{_optim_name(name, tied)}."
+        keys = {k.rsplit(".", 1)[1] for k in saved if k.startswith(prefix)}
         if keys and p not in optimizer.state:
-            optimizer.state[p] = {k: _like(p, saved[f"optim.{name}.{k}"]) for k in keys}
-    dcp.load(state_dict(model, optimizer), storage_reader=reader, no_dist=True)
+            optimizer.state[p] = {k: _like(p, saved[prefix + k]) for k in keys}
+    dcp.load(state_dict(model, optimizer, tied), storage_reader=reader, no_dist=True)
 
 
 def whole_state(uri: str) -> dict:
