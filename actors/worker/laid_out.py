@@ -58,8 +58,7 @@ class LaidOut(Engine):
         the coordinator copies the twin's."""
         self.rank, self.world = rank, world
         par = self.cfg.parallel
-        with torch.device("meta"):
-            model = GPT(self.cfg.model)
+        model = self.build_model()
         param_dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else None  # FSDP's compute dtype
         self.replica = Replica(model, make_mesh(world, par, self.device.type), par, self.device, param_dtype)
         self.replica.model.materialize(self.device)

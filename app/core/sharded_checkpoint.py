@@ -73,7 +73,7 @@ def whole_state(uri: str) -> dict:
     reader = _reader(uri)
     saved = reader.read_metadata().state_dict_metadata
     flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items() if hasattr(m, "size")}
-    dcp.load(flat, storage_reader=_reader(uri), no_dist=True)
+    dcp.load(flat, storage_reader=reader, no_dist=True)
     state: dict = {"model": {}, "optim": {}}
     for key, t in flat.items():
         section, _, rest = key.partition(".")
