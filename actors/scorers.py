@@ -40,8 +40,16 @@ class Rewarder:
 
 
 def start(cfg: Config) -> tuple:
-    """(reference, rewarder) for a PPO run."""
+    """(reference, rewarder) for a PPO run, both started: ppo.reward_timeout_s is the reward's time to score, so
+    the rewarder's own start (a process, torch, the user's module) must not count against the first call."""
     again = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": -1}
     reference = ray.remote(Reference).options(**again).remote(cfg.model_dump())
     rewarder = ray.remote(Rewarder).options(**again).remote(cfg.ppo.reward)
+    try:
+        ray.get([reference.__ray_ready__.remote(), rewarder.__ray_ready__.remote()], timeout=cfg.timeouts.join_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(
+            f"the PPO reference model and reward {cfg.ppo.reward} did not start within timeouts.join_s="
+            f"{cfg.timeouts.join_s:g}: is the cluster short of memory or processes?"
+        ) from None
     return reference, rewarder
