@@ -26,7 +26,6 @@ from pathlib import Path
 
 import ray
 
-from actors import scorers
 from actors.balance import Balancer
 from actors.control import JobError, Observation, State, due, next_state
 from actors.data_plane import DataPlane
@@ -35,8 +34,6 @@ from actors.gather import WorkersLost
 from actors.guards import Guards
 from actors.health_watch import HealthWatch
 from actors.membership import Lost, Team, whole_replicas
-from actors.ppo_step import PPOStepper
-from actors.ps_mode import PSTraining
 from actors.runlog import RunLog
 from actors.saving import RewindPoint, Saver
 from actors.status_file import StatusFile
@@ -65,8 +62,8 @@ class Coordinator:
         self.faults = FaultPlan(cfg.faults, self.log.record, [r["fault"] for r in self.log.history("fault")])
         self.health = HealthWatch(cfg, self.team, self.faults, self.log)
         parts = (cfg, self.team, self.data, self.balancer, self.guards, self.faults, self.saver, self.log)
-        self.scorers = scorers.start(cfg) if cfg.ppo.reward else None  # PPO: the reference model, the reward
-        self.stepper = PPOStepper(*parts, scorers=self.scorers) if self.scorers else Stepper(*parts)
+        self.scorers = _start_scorers(cfg) if cfg.ppo.reward else None  # PPO: the reference model, the reward
+        self.stepper = _ppo_stepper(parts, self.scorers) if self.scorers else Stepper(*parts)
         self.lost: Lost | None = None  # members lost: the next decision is a recovery
         self.saved_step = self.evaluated_step = 0
 
@@ -274,6 +271,8 @@ class Coordinator:
         if point is not None:
             self._rewind(point, "resume")
         self.phase = State.RUNNING
+        from actors.ps_mode import PSTraining  # brings torch: the coordinator of any other mode needs none
+
         ps = PSTraining(
             self.cfg,
             self.team,
@@ -389,3 +388,17 @@ class Coordinator:
                 f"sample), got {workers}"
             )
         self.team.request(workers)
+
+
+def _start_scorers(cfg: Config) -> tuple:
+    """PPO's modules are imported here, and parameter-server mode's in `_train_ps`: they bring torch, which the
+    coordinator of any other run needs for nothing (seconds of a fresh process's start, before every first step)."""
+    from actors import scorers
+
+    return scorers.start(cfg)
+
+
+def _ppo_stepper(parts: tuple, scorers: tuple) -> Stepper:
+    from actors.ppo_step import PPOStepper
+
+    return PPOStepper(*parts, scorers=scorers)

@@ -126,7 +126,7 @@ def test_the_readme_recipe_grows_the_job_onto_a_node_the_autoscaler_adds(cluster
     """Issue 16, item 1: the README's "Without a cloud" recipe, `--config tiny` (no warm pool) with
     cluster.max_workers=2, grows: the autoscaler adds a node for the job's reserved room, a worker
     started for that room warms up there and joins. (It stayed at one worker for its whole run.)"""
-    job = submit(cluster, data_dir, tmp_path, "recipe", "cluster.warm_pool=0", "train.steps=400")
+    job = submit(cluster, data_dir, tmp_path, "recipe", "cluster.warm_pool=0", "train.steps=200")
     run_dir = tmp_path / "recipe"
     grown = wait_until(
         "a scale-out", lambda: next((m for m in memberships(run_dir) if m["reason"] == "scale-out"), None), timeout=180

@@ -58,12 +58,12 @@ def test_lost_worker_is_replaced_and_the_step_redone(make_cfg, reference, kind):
 def test_autoscaling_grows_onto_free_room_with_linear_scaling(make_cfg):
     """The session's Ray has 4 CPUs: 2 workers and the pool worker leave room for one more."""
     cfg = make_cfg(
-        *FAST, "run.name=autoscale", "train.steps=150", "cluster.max_workers=3", "train.batch_scaling=linear"
+        *FAST, "run.name=autoscale", "train.steps=100", "cluster.max_workers=3", "train.batch_scaling=linear"
     )
     run_dir = new_run_dir(cfg)
     train(cfg, run_dir, progress=False)
     steps = records(run_dir, "train")
-    assert [r["step"] for r in steps] == list(range(1, 151))
+    assert [r["step"] for r in steps] == list(range(1, 101))
     changes = records(run_dir, "membership")
     assert [(c["reason"], c["world_before"], c["world_after"], c["joiners"]) for c in changes] == [
         ("scale-out", 2, 3, 1)

@@ -40,7 +40,7 @@ def test_with_no_warm_pool_a_lost_worker_is_replaced_and_a_scale_request_is_met(
     """Defect 1: with cluster.warm_pool=0 a replacement (and a worker asked for by `etrain scale`) is
     started when needed and joins once ready; it used to be stopped again just before joining."""
     cfg = make_cfg(
-        *FAST, "run.name=pool0", "cluster.warm_pool=0", "train.steps=400", "faults=[{rank: 1, step: 5, kind: kill}]"
+        *FAST, "run.name=pool0", "cluster.warm_pool=0", "train.steps=250", "faults=[{rank: 1, step: 5, kind: kill}]"
     )
     run_dir = new_run_dir(cfg)
 
@@ -53,7 +53,7 @@ def test_with_no_warm_pool_a_lost_worker_is_replaced_and_a_scale_request_is_met(
     thread.start()
     train(cfg, run_dir, progress=False)
     thread.join(timeout=5)
-    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 401))
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 251))
     changes = [(m["reason"], m["world_before"], m["world_after"]) for m in records(run_dir, "membership")]
     assert changes == [("recover", 2, 1), ("scale-out", 1, 2), ("scale-out", 2, 3)]
     assert world(run_dir) == 3

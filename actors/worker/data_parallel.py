@@ -14,9 +14,15 @@ from actors.worker.compress import GradSync
 from actors.worker.engine import Engine, snapshot
 from actors.worker.injection import Injected
 from app.core.finetune import load_trained_state, trained_state
-from app.core.layout_state import as_optimizer_state, whole_groups
 from app.core.model import GPT
-from app.core.optim import make_optimizer, make_param_groups, optimizer_class, optimizer_defaults
+from app.core.optim import (
+    as_optimizer_state,
+    make_optimizer,
+    make_param_groups,
+    optimizer_class,
+    optimizer_defaults,
+    whole_groups,
+)
 
 
 class DataParallel(Engine):

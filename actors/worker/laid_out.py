@@ -20,17 +20,9 @@ from actors.worker.engine import Engine, snapshot
 from actors.worker.injection import Injected
 from app.core.checkpoint import DCP
 from app.core.finetune import base_weights
-from app.core.layout_state import (
-    as_optimizer_state,
-    by_name,
-    full_state,
-    load_full,
-    load_local,
-    local_state,
-    whole_groups,
-)
+from app.core.layout_state import full_state, load_full, load_local, local_state
 from app.core.model import GPT, InitialWeights
-from app.core.optim import make_optimizer, make_scheduler
+from app.core.optim import as_optimizer_state, by_name, make_optimizer, make_scheduler, whole_groups
 from app.core.parallel import Replica, ReplicaBroken, make_mesh
 
 

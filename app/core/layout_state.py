@@ -72,36 +72,6 @@ def _held_as(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return full.clone().to(p.device)
 
 
-def whole_groups(model_cfg, optim_cfg) -> list[list[str]]:
-    """The whole model's parameter names in its optimizer's param groups (make_param_groups'): how a checkpoint's
-    optimizer state indexes its tensors, in any layout."""
-    from app.core.model import GPT
-    from app.core.optim import make_param_groups
-
-    with torch.device("meta"):
-        model = GPT(model_cfg)
-    name = {id(p): n for n, p in model.named_parameters()}
-    return [[name[id(p)] for p in g["params"]] for g in make_param_groups(model, optim_cfg)]
-
-
-def as_optimizer_state(optim: dict, groups: list[dict], names: list[list[str]]) -> dict:
-    """full_state's AdamW state by name as the whole model's optimizer state_dict, the form every layout saves;
-    `groups`: the laid-out optimizer's param groups, whose hyper-parameters it keeps."""
-    flat = [n for group in names for n in group]
-    param_groups, start = [], 0
-    for group, members in zip(groups, names):
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        param_groups.append(hyper | {"params": list(range(start, start + len(members)))})
-        start += len(members)
-    return {"state": {flat.index(n): st for n, st in optim.items()}, "param_groups": param_groups}
-
-
-def by_name(optimizer_state: dict, names: list[list[str]]) -> dict:
-    """A whole model's optimizer state_dict as AdamW state by parameter name (load_full's form)."""
-    flat = [n for group in names for n in group]
-    return {flat[i]: st for i, st in optimizer_state["state"].items()}
-
-
 def local_state(replica: Replica, optimizer: torch.optim.Optimizer) -> dict:
     """This rank's own part: weights and AdamW state by name, local shards as plain tensors. What a rank at the
     same place (stage, shard, tp_rank) of another replica takes to join in its place."""

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from app.core.config import OptimConfig
+from app.core.model import GPT
 
 
 def make_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -69,3 +70,30 @@ def restart_position(steps: int, t_0: int, t_mult: int) -> tuple[int, int]:
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg, total_steps=total_steps))
+
+
+def whole_groups(model_cfg, optim_cfg) -> list[list[str]]:
+    """The whole model's parameter names in its optimizer's param groups (make_param_groups'): how a checkpoint's
+    optimizer state indexes its tensors, in any layout."""
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    name = {id(p): n for n, p in model.named_parameters()}
+    return [[name[id(p)] for p in g["params"]] for g in make_param_groups(model, optim_cfg)]
+
+
+def as_optimizer_state(optim: dict, groups: list[dict], names: list[list[str]]) -> dict:
+    """full_state's AdamW state by name as the whole model's optimizer state_dict, the form every layout saves;
+    `groups`: the laid-out optimizer's param groups, whose hyper-parameters it keeps."""
+    flat = [n for group in names for n in group]
+    param_groups, start = [], 0
+    for group, members in zip(groups, names):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        param_groups.append(hyper | {"params": list(range(start, start + len(members)))})
+        start += len(members)
+    return {"state": {flat.index(n): st for n, st in optim.items()}, "param_groups": param_groups}
+
+
+def by_name(optimizer_state: dict, names: list[list[str]]) -> dict:
+    """A whole model's optimizer state_dict as AdamW state by parameter name (load_full's form)."""
+    flat = [n for group in names for n in group]
+    return {flat[i]: st for i, st in optimizer_state["state"].items()}
