@@ -161,7 +161,7 @@ def test_submitted_job_grows_onto_a_new_node_and_survives_a_killed_worker(cluste
 
 
 def test_preemption_notice_moves_workers_off_the_node(cluster, data_dir, tmp_path):
-    job = submit(cluster, data_dir, tmp_path, "preempt", "train.steps=250")
+    job = submit(cluster, data_dir, tmp_path, "preempt", "train.steps=200")
     run_dir = tmp_path / "preempt"
     wait_until("two workers", lambda: any(m["world_after"] == 2 for m in memberships(run_dir)))
     doomed = next(m["node"] for m in status(cluster, job)["members"] if is_fake_node(m["node"]))
@@ -179,7 +179,7 @@ def test_preemption_notice_moves_workers_off_the_node(cluster, data_dir, tmp_pat
     later = [m for m in memberships(run_dir) if m["step"] >= moved["step"]]
     assert all(doomed not in m["joiner_nodes"] for m in later)
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
-    assert [r["step"] for r in steps] == list(range(1, 251))
+    assert [r["step"] for r in steps] == list(range(1, 201))
 
 
 def test_cluster_up_env_and_down_start_and_stop_exactly_one_head(tmp_path, monkeypatch, capsys):
