@@ -79,8 +79,8 @@ class Saver:
 
     def begin(self, step: int, workers: list, sharded: bool, meta: dict) -> None:
         """Have the writers stage and write their parts of the state at `step`: every rank its optimizer
-        shard under ZeRO-1 and its residuals under top-k (full saves), else rank 0 alone (with a layout,
-        what the first replica gathers on it).
+        shard under ZeRO-1 and its residuals under top-k (full saves), else rank 0 alone; with a layout, the
+        first replica's ranks, each its own tensors (DCP).
         The step loop waits only for the staging (and for the previous save, if still in flight); synchronous
         saves and the last step's are waited for.
         WorkersLost if a writer is lost before it staged: the step is saved again once the group has recovered."""
@@ -88,7 +88,7 @@ class Saver:
         try:
             self.finish()
             level = self.level(step) or "full"
-            # a layout's whole state is gathered from its first replica's ranks onto rank 0
+            # a layout's first replica writes its tensors rank by rank (DCP)
             every_rank = sharded or self.cfg.comm.compression == "topk"  # shards, top-k's residuals
             writers = workers if every_rank and level == "full" else workers[: self.cfg.parallel.ranks]
             try:

@@ -58,8 +58,8 @@ def train_rank(
     save: bool | str = False,
 ) -> tuple[list[float], dict, dict | None]:
     """Per-step losses, the first step's clipped gradients (whole tensors) and, with `save`, the whole state after
-    the last step (on the replica's first rank), or with a directory every rank's shards saved there with DCP, as
-    a sharded run saves them; `state` is such a whole state or directory. No rank holds the whole model: its part
+    the last step (on the replica's first rank), or with a directory every rank's tensors saved there with DCP, as
+    a laid-out run saves them; `state` is such a whole state or directory. No rank holds the whole model: its part
     starts on the meta device."""
     cfg = ParallelConfig(**layout)
     with torch.device("meta"):  # as a worker does: the structure only, then its part made and given its values
@@ -82,7 +82,7 @@ def train_rank(
         first = first or {n: whole(p.grad) for n, p in replica.model.named_parameters()}
         optimizer.step()
     if isinstance(save, str):
-        state = sharded_checkpoint.state_dict(replica.model, optimizer)
+        state = sharded_checkpoint.state_dict(replica.model, optimizer, replica.tied)
         sharded_checkpoint.save(state, save, dist.group.WORLD).result()
         return losses, first, None
     return losses, first, full_state(replica, optimizer) if save else None
@@ -126,10 +126,11 @@ TP2_SHARD2 = dict(tp=2, shard=2)
 )
 def test_a_state_saved_by_one_layout_resumes_in_another_on_the_same_trajectory(single, saved_by, resumed_by, tmp_path):
     """Weights and AdamW moments by whole-model name: halfway through, the state moves to the other layout, and
-    the second half's losses are the single process's. A sharded layout saves each rank's shards with DCP, which
-    the other layout reads resharded, as the trainer does; the others gather the whole state."""
+    the second half's losses are the single process's. A layout saves each rank's tensors with DCP, which the other
+    layout reads resharded, as the trainer does (a pipeline's tied head written once); one process, the whole
+    state, as a data-parallel run does."""
     half = STEPS // 2
-    sharded = ParallelConfig(**saved_by).shard > 1
+    sharded = ParallelConfig(**saved_by).ranks > 1
     save = str(tmp_path / "dcp") if sharded else True
     saved = local_group(ParallelConfig(**saved_by).ranks, train_rank, saved_by, range(half), None, save)
     state = save if sharded else saved[0][2]
@@ -162,7 +163,8 @@ def test_stages_split_the_blocks_evenly_middle_stages_first():
         (["parallel.shard=2", "comm.zero=true"], "comm.zero with parallel.tp × parallel.pp × parallel.shard > 1"),
         (["parallel.shard=2", "cluster.num_workers=3"], "parallel.tp × parallel.pp × parallel.shard = 2 ranks"),
         (["parallel.shard=4", "cluster.num_workers=4", "train.global_batch=6"], "a multiple of 4"),
-        (["parallel.shard=2", "checkpoint.light_every=5"], "checkpoint.light_every=5 with parallel.shard=2 is not"),
+        (["parallel.shard=2", "checkpoint.light_every=5"], "checkpoint.light_every=5 with parallel.tp × parallel.pp"),
+        (["parallel.pp=2", "checkpoint.light_every=3"], "× parallel.shard = 2 is not supported: a laid-out run's"),
     ],
 )
 def test_a_layout_the_model_or_batch_cannot_take_is_refused_by_name(overrides, message):

@@ -69,7 +69,7 @@ def test_a_laid_out_job_trains_and_evaluates_as_one_whole_model_worker(single, m
     assert_same_losses(losses(run_dir), want)
     assert records(run_dir, "eval")[-1]["eval_loss"] == pytest.approx(evaluated, rel=1e-4)
     final = records(run_dir, "checkpoint")[-1]
-    assert final["step"] == STEPS  # the whole model gathered from the replica's ranks, committed
+    assert final["step"] == STEPS  # committed: each rank of the first replica wrote its own tensors (DCP)
     last = records(run_dir, "train")[-1]  # what each rank holds: a part of the whole model's parameters
     whole = 4 * cfg.model.param_count()
     assert sum(last["param_bytes"]) >= whole and all(0 < b < whole for b in last["param_bytes"])
@@ -172,8 +172,9 @@ def test_a_checkpoint_resumes_in_another_layout_on_the_same_trajectory(
     single, make_cfg, s3_bucket, saved_by, resumed_by, on
 ):
     """Saved at step 8 by one layout (the job then fails, a worker lost with no recovery allowed), resumed by
-    another: steps 9 to 12 are the single worker's. A sharded layout saves each rank's shards with torch DCP and
-    the loading layout reads them resharded (a single worker gathers them whole)."""
+    another: steps 9 to 12 are the single worker's. A layout saves each rank's tensors with torch DCP and the
+    loading layout reads them resharded (a single worker gathers them whole); a single worker's whole checkpoint
+    is cut into each rank's part."""
     where = [f"checkpoint.uri={s3_bucket}/ck"] if on == "s3" else []
     layout = {"single": ["cluster.num_workers=1"], **LAYOUTS}
     common = [
@@ -196,5 +197,5 @@ def test_a_checkpoint_resumes_in_another_layout_on_the_same_trajectory(
     # issue 27, defect 11: the report counted replicas by the run's config alone ([1, 4] for one replica each)
     assert write_report(run_dir)["summary"]["layout"]["replicas"] == [1]
     saved = json.loads((run_dir / "checkpoints" / "step-00000008" / "commit.json").read_text()) if on == "disk" else {}
-    if "shard" in saved_by and saved:  # each rank's shards in its own file, no whole model anywhere
+    if saved_by != "single" and saved:  # each rank's tensors in its own file (DCP), no whole model anywhere
         assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata", "extra.pt"} == set(saved["files"])

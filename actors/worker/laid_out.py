@@ -18,11 +18,12 @@ import torch.distributed as dist
 
 from actors.worker.engine import Engine, snapshot
 from actors.worker.injection import Injected
+from app.core import sharded_checkpoint as dcp
 from app.core.checkpoint import DCP
 from app.core.finetune import base_weights
-from app.core.layout_state import full_state, load_full, load_local, local_state
+from app.core.layout_state import load_full, load_local, local_state
 from app.core.model import GPT, InitialWeights
-from app.core.optim import as_optimizer_state, by_name, make_optimizer, make_scheduler, whole_groups
+from app.core.optim import by_name, make_optimizer, make_scheduler, whole_groups
 from app.core.parallel import Replica, ReplicaBroken, make_mesh
 
 
@@ -30,11 +31,10 @@ class LaidOut(Engine):
     def __init__(self, cfg, device):
         super().__init__(cfg, device)
         self.replica: Replica | None = None  # in a group: this rank's part
-        self.save_group = None  # sharded: the first replica's ranks, which write a checkpoint with DCP
+        self.save_group = None  # the first replica's ranks, which write a checkpoint with DCP
         self.saving: Future | None = None  # that save, in the background: finished before the group goes
+        self.stager = None  # the host buffers its saves copy the part into, kept while the group lasts
         self.held: dict | None = None  # out of a group: the part's state, as layout_state.local_state
-        if cfg.parallel.shard > 1:  # torch DCP (~1.5 s to import) as the worker is built, not in its first save
-            import app.core.sharded_checkpoint  # noqa: F401
 
     def build_model(self) -> GPT:
         """The model's structure only: each rank makes its part when it joins."""
@@ -54,8 +54,9 @@ class LaidOut(Engine):
         param_dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else None  # FSDP's compute dtype
         self.replica = Replica(model, make_mesh(world, par, self.device.type), par, self.device, param_dtype)
         self.replica.model.materialize(self.device)
-        if par.shard > 1:  # every rank makes every group, in one order; gloo: DCP stages on the host
-            self.save_group = dist.new_group(list(range(par.ranks)), backend="gloo")
+        # every rank makes every group, in one order; gloo: DCP stages on the host
+        self.save_group = dist.new_group(list(range(par.ranks)), backend="gloo")
+        self.stager = dcp.stager()
         self.optimizer = make_optimizer(self.replica.model, self.cfg.optim)
         schedule = self.scheduler.state_dict() if self.held is None else self.held["scheduler"]
         self.scheduler = make_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.steps)
@@ -80,7 +81,9 @@ class LaidOut(Engine):
         which writes with the group's ranks, unless a collective failed)."""
         if self.saving is not None and not failed:
             wait([self.saving])
-        self.saving = self.save_group = None
+        if self.stager is not None:
+            self.stager.close()  # a save still writing keeps what it staged
+        self.saving = self.save_group = self.stager = None
         if self.replica is not None:
             self.held = local_state(self.replica, self.optimizer) | {"scheduler": self.scheduler.state_dict()}
             # `held` has the part's values: the next group builds the part afresh
@@ -125,14 +128,13 @@ class LaidOut(Engine):
         return local_state(self.replica, self.optimizer) | self.schedule_state()
 
     def load(self, state: dict, step: int) -> None:
-        """A twin's part (a state with "at"), a sharded checkpoint's (its DCP files, from any layout: this rank
-        reads the slices it holds), or a whole model's (a checkpoint's, from any layout): this rank's part."""
+        """A twin's part (a state with "at"), a laid-out run's checkpoint (its DCP files, from any layout: this rank
+        reads the slices it holds), or a whole model's (a data-parallel run's checkpoint, or one of a layout before
+        DCP): this rank's part."""
         if "at" in state:
             load_local(self.replica, self.optimizer, state)
         elif "dcp" in state:
-            from app.core.sharded_checkpoint import load  # a tp/pp layout reads a sharded run's checkpoint too
-
-            load(self.model, self.optimizer, state["dcp"], self.replica.tied)
+            dcp.load(self.model, self.optimizer, state["dcp"], self.replica.tied)
         else:
             whole = {"model": state["model"], "optim": self._by_name(state["optimizer"])}
             load_full(self.replica, self.optimizer, whole)
@@ -140,30 +142,18 @@ class LaidOut(Engine):
         self.applied = step
 
     def checkpoint_parts(self, level: str, path: str) -> tuple[dict, dict | None]:
-        """Sharded (parallel.shard > 1): the first replica's ranks each write the shards they hold with DCP, in
-        the background once copied to host memory, and rank 0 the schedule. Otherwise the whole model's state
-        gathered on rank 0 from the first replica's ranks, in the format every layout and a plain run read
-        (model.pt, optim.pt by the whole model's parameter order). Either resumes in any layout; the other
-        replicas hold the same state and take no part."""
+        """The first replica's ranks each write the tensors they hold with DCP (a TP slice, an FSDP shard, a
+        pipeline stage's blocks; DCP writes a tensor two ranks hold once), in the background once copied to host
+        memory, and rank 0 the schedule: no rank gathers the whole model. It resumes in any layout, and in a
+        data-parallel run. The other replicas hold the same state and take no part. Full checkpoints only (the
+        config refuses checkpoint.light_every here: a light one is the whole model's changed tensors)."""
         if self.replica.at.replica != 0:
             return {}, None
-        if self.save_group is not None:
-            return self._sharded_parts(path), None
-        full = full_state(self.replica, self.optimizer)
-        if full is None:  # not the replica's first rank: its part is in `full` there
-            return {}, None
-        parts: dict = {}
-        if level == "full":
-            groups = whole_groups(self.cfg.model, self.cfg.optim)
-            parts["optim.pt"] = as_optimizer_state(full["optim"], self.optimizer.param_groups, groups)
-            parts["extra.pt"] = snapshot(self.schedule_state())
-        return parts, full["model"]
-
-    def _sharded_parts(self, path: str) -> dict:
-        from app.core import sharded_checkpoint as dcp
-
         uri = posixpath.join(path, DCP)
-        self.saving = dcp.save(dcp.state_dict(self.model, self.optimizer), uri, self.save_group)
+        state = dcp.state_dict(self.model, self.optimizer, self.replica.tied)
+        if self.saving is not None:  # the staging buffers are the last save's until it is written
+            wait([self.saving])
+        self.saving = dcp.save(state, uri, self.save_group, self.stager)
         group_rank, saving = dist.get_rank(self.save_group), self.saving
 
         def written() -> dict:
@@ -173,7 +163,7 @@ class LaidOut(Engine):
         parts: dict = {"dcp": written}
         if group_rank == 0:
             parts["extra.pt"] = snapshot(self.schedule_state())
-        return parts
+        return parts, None
 
     def _by_name(self, optimizer_state: dict) -> dict:
         """A whole model's optimizer state by parameter name (layout_state's form)."""

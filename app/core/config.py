@@ -798,11 +798,11 @@ class Config(Section):
                 f"parallel.pp={par.pp} with parallel.shard={par.shard} is not supported yet: a pipeline stage's "
                 "parameters are not sharded; use parallel.tp with parallel.shard, or parallel.pp alone"
             )
-        if par.shard > 1 and self.checkpoint.light_every:
+        if par.ranks > 1 and self.checkpoint.light_every:
             raise ValueError(
-                f"checkpoint.light_every={self.checkpoint.light_every} with parallel.shard={par.shard} is not "
-                "supported yet: a sharded run's checkpoints are full ones, each rank writing its shards (torch DCP); "
-                "set checkpoint.light_every=0"
+                f"checkpoint.light_every={self.checkpoint.light_every} with parallel.tp × parallel.pp × "
+                f"parallel.shard = {par.ranks} is not supported: a laid-out run's checkpoints are full ones, each rank "
+                "writing the tensors it holds (torch DCP, in the background); set checkpoint.light_every=0"
             )
         if par.pp > 1 and par.microbatches < par.pp:
             raise ValueError(

@@ -1,9 +1,8 @@
-"""A laid-out replica's state as the whole model's, and back, so that a state saved by one layout resumes in any
-other (app/core/parallel.py): weights and AdamW moments by whole-model parameter name, whole tensors.
-
-Gathered rather than sharded on disk (torch DCP would keep shards): a replica's first rank holds the whole model
-for a moment, which is what the existing checkpoint format, its hashes and its light level expect; a model too
-large for one host's memory would need DCP instead.
+"""A laid-out rank's part of the state, in and out: its own part by name (what a twin at the same place takes,
+`local_state`/`load_local`), and its part cut from a whole model's state (`load_full`: the initial weights, made
+tensor by tensor; a data-parallel run's checkpoint, or a layout's from before DCP). Checkpoints of a layout are
+written and read in parts with torch DCP (app/core/sharded_checkpoint.py); `full_state`, which gathers the whole
+model onto one rank, is what the tests and bench/sharded.py compare them with.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from app.core.checkpoint import DCP, file_digest
 
@@ -38,10 +39,21 @@ def _optim_name(name: str, tied: bool) -> str:
     return "embed.weight" if tied and name == "head.weight" else name
 
 
-def save(state: dict, uri: str, group) -> Future:
+def stager() -> DefaultStager:
+    """Host buffers a rank's saves copy its tensors into, kept from one save to the next, so that a save blocks
+    training for the copy alone, not for allocating (and first touching) as much memory as the rank's part again:
+    measured on bench/sharded.py's model at shard=2, 0.18-0.21 s blocked instead of 1.0-1.2 s. The price: a copy of
+    the part stays in host memory between saves. Pinned where there is a GPU (a faster copy from it). Close it when
+    its group goes; one save at a time uses it."""
+    pinned = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(pinned, False, False, False))
+
+
+def save(state: dict, uri: str, group, staging: DefaultStager | None = None) -> Future:
     """Write `state` under `uri` with the ranks of `group` (one file per rank, and the metadata by its first): the
-    tensors are copied to host memory before this returns, the files written in the background."""
-    return dcp.async_save(state, storage_writer=_writer(uri), process_group=group)
+    tensors are copied to host memory (`staging`'s buffers, or new ones) before this returns, the files written in
+    the background."""
+    return dcp.async_save(state, storage_writer=_writer(uri), process_group=group, async_stager=staging)
 
 
 def written(uri: str, group_rank: int) -> dict[str, dict]:
