@@ -12,6 +12,10 @@ failed step. Each variant runs in its own fresh process. Measured per variant:
 - steps_redone: steps computed twice,
 - wall_s: the whole run, launch to exit.
 
+ours-shard: the same loss where no live peer holds the lost rank's state, one replica of parallel.shard=2
+(FSDP2): like Ray Train it goes back to its newest checkpoint (DCP, every --ckpt-every steps) and redoes the
+steps since, re-formed with the pool worker (issue 29, item 4).
+
 A node added: the job starts with one worker on a 1-CPU head; once it trains,
 a 2-CPU node joins (ray.cluster_utils.Cluster: a second raylet on this
 machine). Ray Train v2 runs elastic (ScalingConfig(num_workers=(1, 2)), its
@@ -23,7 +27,7 @@ arrival to the first step trained by 2 workers.
 Each variant runs --rounds times (3), interleaved; the table, the ratios and
 bench/results/elastic.json give medians with their spread.
 
-    python bench/elastic.py [--steps 150] [--kill-at 90] [--ckpt-every 25] [--rounds 3] [--only ours-grow ...]
+    python bench/elastic.py [--steps 150] [--kill-at 90] [--ckpt-every 25] [--rounds 3] [--only ours-shard ...]
 """
 
 from __future__ import annotations
@@ -184,6 +188,35 @@ def run_ours(args) -> dict:
     }
 
 
+def run_ours_shard(args) -> dict:
+    """One replica of shard=2 (FSDP2) loses a rank: no live replica holds its shards, so the run goes back to its
+    newest checkpoint (DCP, every --ckpt-every steps as Ray Train's), re-forms with the pool worker and redoes the
+    steps since. Measured as Ray Train is: from the failure until the failed step is completed again."""
+    from app.core.config import load_config
+    from app.core.records import read_jsonl
+    from app.job import new_run_dir, train
+
+    fault = f"faults=[{{rank: 1, step: {args.kill_at}, kind: kill}}]"
+    sets = [*overrides(args), "parallel.shard=2", f"checkpoint.every={args.ckpt_every}", "cluster.warm_pool=1", fault]
+    cfg = load_config("tiny", [*sets, f"run.root={tempfile.mkdtemp(prefix='ours-')}"])
+    run_dir = new_run_dir(cfg)
+    train(cfg, run_dir, progress=False)
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    fired = next(r for r in records if r["kind"] == "fault")
+    back = next(r for r in records if r["kind"] == "train" and r["step"] == args.kill_at)
+    rollback = next(r for r in records if r["kind"] == "rollback")
+    recover = next(r for r in records if r["kind"] == "membership" and r["reason"] == "recover")
+    redone = [r for r in read_jsonl(run_dir / "metrics.redone.jsonl") if r["kind"] == "train"]
+    return {
+        "recovery_s": back["time"] - fired["time"],
+        "steps_redone": len(redone),
+        "steps": len([r for r in records if r["kind"] == "train"]),
+        "back_to_step": rollback["step"],
+        "reform_s": recover["total_s"],
+        "phases": recover["phases"],
+    }
+
+
 # -- a node added: Ray Train v2 elastic (num_workers=(1, 2)) vs our autoscaling -----
 
 
@@ -288,6 +321,7 @@ def run_ours_grow(args) -> dict:
 VARIANTS = {
     "raytrain": run_ray_train,
     "ours": run_ours,
+    "ours-shard": run_ours_shard,
     "raytrain-grow": run_ray_train_grow,
     "ours-grow": run_ours_grow,
 }
@@ -314,7 +348,13 @@ def forward(args) -> list[str]:
     ]
 
 
-METRIC = {"raytrain": "recovery_s", "ours": "recovery_s", "raytrain-grow": "scale_out_s", "ours-grow": "scale_out_s"}
+METRIC = {
+    "raytrain": "recovery_s",
+    "ours": "recovery_s",
+    "ours-shard": "recovery_s",
+    "raytrain-grow": "scale_out_s",
+    "ours-grow": "scale_out_s",
+}
 
 
 def main() -> None:
@@ -343,13 +383,15 @@ def main() -> None:
     )
     rows = {v: summary(rs) for v, rs in runs.items()}
     ratios = {}
-    for ours, theirs, key in (
-        ("ours", "raytrain", "recovery_s"),
-        ("ours", "raytrain", "wall_s"),
-        ("ours-grow", "raytrain-grow", "scale_out_s"),
+    for name, ours, theirs, key in (
+        ("ours_vs_raytrain_recovery_s", "ours", "raytrain", "recovery_s"),
+        ("ours_vs_raytrain_wall_s", "ours", "raytrain", "wall_s"),
+        ("ours_shard_vs_raytrain_recovery_s", "ours-shard", "raytrain", "recovery_s"),
+        ("ours_shard_vs_raytrain_steps_redone", "ours-shard", "raytrain", "steps_redone"),
+        ("ours_vs_raytrain_scale_out_s", "ours-grow", "raytrain-grow", "scale_out_s"),
     ):
         if ours in rows and theirs in rows:
-            ratios[f"ours_vs_raytrain_{key}"] = rows[ours][key]["median"] / rows[theirs][key]["median"]
+            ratios[name] = rows[ours][key]["median"] / rows[theirs][key]["median"]
     for variant, row in rows.items():
         figure = row[METRIC[variant]]
         print(
