@@ -82,8 +82,9 @@ def whole_groups(model_cfg, optim_cfg) -> list[list[str]]:
 
 
 def as_optimizer_state(optim: dict, groups: list[dict], names: list[list[str]]) -> dict:
-    """full_state's AdamW state by name as the whole model's optimizer state_dict, the form every layout saves;
-    `groups`: the laid-out optimizer's param groups, whose hyper-parameters it keeps."""
+    """AdamW state by whole-model parameter name (a layout's DCP checkpoint read whole, or layout_state.full_state's)
+    as the whole model's optimizer state_dict, the form a data-parallel run loads; `groups`: the param groups whose
+    hyper-parameters it keeps."""
     flat = [n for group in names for n in group]
     param_groups, start = [], 0
     for group, members in zip(groups, names):
