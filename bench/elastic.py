@@ -201,12 +201,12 @@ def run_ours_shard(args) -> dict:
     cfg = load_config("tiny", [*sets, f"run.root={tempfile.mkdtemp(prefix='ours-')}"])
     run_dir = new_run_dir(cfg)
     train(cfg, run_dir, progress=False)
-    records = read_jsonl(run_dir / "metrics.jsonl")
-    fired = next(r for r in records if r["kind"] == "fault")
+    records, set_aside = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "metrics.redone.jsonl")
+    fired = next(r for r in set_aside if r["kind"] == "fault")  # recorded in the steps the rollback set aside
     back = next(r for r in records if r["kind"] == "train" and r["step"] == args.kill_at)
     rollback = next(r for r in records if r["kind"] == "rollback")
     recover = next(r for r in records if r["kind"] == "membership" and r["reason"] == "recover")
-    redone = [r for r in read_jsonl(run_dir / "metrics.redone.jsonl") if r["kind"] == "train"]
+    redone = [r for r in set_aside if r["kind"] == "train"]
     return {
         "recovery_s": back["time"] - fired["time"],
         "steps_redone": len(redone),
