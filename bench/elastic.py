@@ -161,18 +161,23 @@ def run_ray_train(args) -> dict:
 # -- ours -----------------------------------------------------------------------
 
 
-def run_ours(args) -> dict:
+def train_ours_losing_rank_1(args, *sets: str) -> Path:
+    """Our run of the tiny GPT (warm pool 1) in which rank 1 dies at step --kill-at; its run directory."""
     from app.core.config import load_config
-    from app.core.records import read_jsonl
     from app.job import new_run_dir, train
 
     fault = f"faults=[{{rank: 1, step: {args.kill_at}, kind: kill}}]"
-    cfg = load_config(
-        "tiny", [*overrides(args), "cluster.warm_pool=1", fault, f"run.root={tempfile.mkdtemp(prefix='ours-')}"]
-    )
+    root = f"run.root={tempfile.mkdtemp(prefix='ours-')}"
+    cfg = load_config("tiny", [*overrides(args), "cluster.warm_pool=1", fault, *sets, root])
     run_dir = new_run_dir(cfg)
     train(cfg, run_dir, progress=False)
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    return run_dir
+
+
+def run_ours(args) -> dict:
+    from app.core.records import read_jsonl
+
+    records = read_jsonl(train_ours_losing_rank_1(args) / "metrics.jsonl")
     recover = next(r for r in records if r["kind"] == "membership" and r["reason"] == "recover")
     steps = [r for r in records if r["kind"] == "train"]
     failed = next(r for r in steps if r["step"] == recover["step"] + 1)
@@ -192,24 +197,17 @@ def run_ours_shard(args) -> dict:
     """One replica of shard=2 (FSDP2) loses a rank: no live replica holds its shards, so the run goes back to its
     newest checkpoint (DCP, every --ckpt-every steps as Ray Train's), re-forms with the pool worker and redoes the
     steps since. Measured as Ray Train is: from the failure until the failed step is completed again."""
-    from app.core.config import load_config
     from app.core.records import read_jsonl
-    from app.job import new_run_dir, train
 
-    fault = f"faults=[{{rank: 1, step: {args.kill_at}, kind: kill}}]"
-    sets = [*overrides(args), "parallel.shard=2", f"checkpoint.every={args.ckpt_every}", "cluster.warm_pool=1", fault]
-    cfg = load_config("tiny", [*sets, f"run.root={tempfile.mkdtemp(prefix='ours-')}"])
-    run_dir = new_run_dir(cfg)
-    train(cfg, run_dir, progress=False)
+    run_dir = train_ours_losing_rank_1(args, "parallel.shard=2", f"checkpoint.every={args.ckpt_every}")
     records, set_aside = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "metrics.redone.jsonl")
     fired = next(r for r in set_aside if r["kind"] == "fault")  # recorded in the steps the rollback set aside
     back = next(r for r in records if r["kind"] == "train" and r["step"] == args.kill_at)
     rollback = next(r for r in records if r["kind"] == "rollback")
     recover = next(r for r in records if r["kind"] == "membership" and r["reason"] == "recover")
-    redone = [r for r in set_aside if r["kind"] == "train"]
     return {
         "recovery_s": back["time"] - fired["time"],
-        "steps_redone": len(redone),
+        "steps_redone": len([r for r in set_aside if r["kind"] == "train"]),
         "steps": len([r for r in records if r["kind"] == "train"]),
         "back_to_step": rollback["step"],
         "reform_s": recover["total_s"],

@@ -115,7 +115,7 @@ def save_costs(rank: int, replica: Replica, optimizer, out: str) -> dict:
         dist.barrier()
         gathered_s = time.perf_counter() - started
     staging = sharded_checkpoint.stager()
-    blocked, written = [], []
+    blocked, written, memory = [], [], []
     for i in range(2):
         with Sampled() as sharded:
             started = time.perf_counter()
@@ -124,8 +124,7 @@ def save_costs(rank: int, replica: Replica, optimizer, out: str) -> dict:
             blocked.append(time.perf_counter() - started)
             saving.result()
             written.append(time.perf_counter() - started)
-        if i == 0:
-            first_rss = sharded.peak
+        memory.append(sharded.peak)
     staging.close()
     return {
         "gathered_save_s": gathered_s,
@@ -133,7 +132,7 @@ def save_costs(rank: int, replica: Replica, optimizer, out: str) -> dict:
         "dcp_first_blocked_s": blocked[0],
         "dcp_blocked_s": blocked[1],
         "dcp_written_s": written[1],
-        "dcp_save_rss_bytes": first_rss,
+        "dcp_save_rss_bytes": memory[0],
     }
 
 

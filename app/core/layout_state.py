@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from app.core.parallel import Replica, shard_of
+from app.core.sharded_checkpoint import optim_name
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
@@ -45,7 +46,7 @@ def load_full(replica: Replica, optimizer: torch.optim.Optimizer, state: dict) -
         for name, t in replica.model.state_dict().items():
             shard_of(t).copy_(_part(state["model"][name], t))
     for name, p in replica.model.named_parameters():
-        saved = state["optim"].get("embed.weight" if replica.tied and name == "head.weight" else name)
+        saved = state["optim"].get(optim_name(name, replica.tied))
         if saved is not None:
             optimizer.state[p] = {k: _held_as(p, v) if torch.is_tensor(v) else v for k, v in saved.items()}
 

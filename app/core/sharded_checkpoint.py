@@ -29,13 +29,13 @@ def state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tied: b
     """What DCP saves and loads in place: weights and optimizer state by the whole model's parameter names, each
     tensor as this rank holds it (a DTensor's shard), so that any layout names every tensor alike. `tied`: the
     head is a pipeline's last-stage copy of the tied embedding, whose optimizer state is the embedding's."""
-    optim = {
-        _optim_name(name, tied): optimizer.state[p] for name, p in model.named_parameters() if p in optimizer.state
-    }
+    optim = {optim_name(name, tied): optimizer.state[p] for name, p in model.named_parameters() if p in optimizer.state}
     return {"model": model.state_dict(), "optim": optim}
 
 
-def _optim_name(name: str, tied: bool) -> str:
+def optim_name(name: str, tied: bool) -> str:
+    """The name a parameter's optimizer state goes by: a pipeline's last-stage copy of the tied embedding (`tied`)
+    goes by the embedding's."""
     return "embed.weight" if tied and name == "head.weight" else name
 
 
@@ -72,7 +72,7 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str, tie
     reader = _reader(uri)
     saved = reader.read_metadata().state_dict_metadata
     for name, p in model.named_parameters():  # AdamW's state is made lazily: room for what the checkpoint holds
-        prefix = f"optim.{_optim_name(name, tied)}."
+        prefix = f"optim.{optim_name(name, tied)}."
         keys = {k.rsplit(".", 1)[1] for k in saved if k.startswith(prefix)}
         if keys and p not in optimizer.state:
             optimizer.state[p] = {k: _like(p, saved[prefix + k]) for k in keys}
