@@ -12,11 +12,14 @@ import pytest
 
 from actors.control import JobError
 from app.cli import _status_text
+from app.core import checkpoint
+from app.core.finetune import finetune_config
 from app.core.records import read_jsonl
+from app.core.sharded_checkpoint import SavedWeights, whole_state
 from app.job import new_run_dir, train
 from app.report import write_report
 
-from runs import FAST, records
+from runs import FAST, records, run
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -199,3 +202,25 @@ def test_a_checkpoint_resumes_in_another_layout_on_the_same_trajectory(
     saved = json.loads((run_dir / "checkpoints" / "step-00000008" / "commit.json").read_text()) if on == "disk" else {}
     if saved_by != "single" and saved:  # each rank's tensors in its own file (DCP), no whole model anywhere
         assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata", "extra.pt"} == set(saved["files"])
+
+
+def test_a_base_a_layout_wrote_is_fine_tuned_in_a_layout_each_rank_reading_its_slices(make_cfg, rng):
+    """A full fine-tune from a layout's checkpoint (DCP): the driver checks the base one tensor at a time (its digest
+    is the whole weights'), each rank of a laid-out run reads the slices it holds, a whole-model worker reads the
+    whole; both take one trajectory, from the base's weights. The layouts are drawn."""
+    two = sorted(name for name, overrides in LAYOUTS.items() if "cluster.num_workers=2" in overrides)
+    base_layout, tuned_layout = rng.choice(two), rng.choice(two)
+    print(f"base in {base_layout}, fine-tuned in {tuned_layout}")
+    base = run(make_cfg, "base", "train.steps=6", "cluster.warm_pool=0", *LAYOUTS[base_layout])
+    files = checkpoint.dcp_dir(records(base, "checkpoint")[-1]["path"])
+    assert files is not None  # a layout's checkpoint: DCP files, one per rank
+    assert checkpoint.weights_digest(SavedWeights(files)) == checkpoint.weights_digest(whole_state(files)["model"])
+    unlaid = ["parallel.tp=1", "parallel.pp=1", "parallel.shard=1", "finetune.method=full", "train.steps=4"]
+    tuned = {}
+    for name, layout in (("single", ["cluster.num_workers=1"]), (tuned_layout, LAYOUTS[tuned_layout])):
+        cfg = finetune_config(str(base), None, [*unlaid, f"run.name=tuned-{name}", *layout])
+        run_dir = new_run_dir(cfg)
+        train(cfg, run_dir, progress=False)
+        tuned[name] = losses(run_dir)
+    assert_same_losses(tuned[tuned_layout], tuned["single"])
+    assert tuned["single"][0] < losses(base)[0] - 0.3  # the same first batch: the base's weights, not a fresh model

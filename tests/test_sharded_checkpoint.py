@@ -9,9 +9,14 @@ import pickle
 
 import fsspec
 import pytest
+import torch
+import torch.distributed.checkpoint as torch_dcp
 
 from app.core import checkpoint
-from app.core.sharded_checkpoint import _MetadataUnpickler
+from app.core.config import ConfigError, load_config, override
+from app.core.finetune import check_base, model_only
+from app.core.model import GPT
+from app.core.sharded_checkpoint import SavedWeights, _MetadataUnpickler, written
 
 from runs import records, run
 
@@ -61,3 +66,28 @@ def test_a_metadata_file_that_would_build_anything_else_is_refused():
     not a call to anything else."""
     with pytest.raises(pickle.UnpicklingError, match="may not build posix.getcwd"):
         _MetadataUnpickler(io.BytesIO(pickle.dumps(_Hostile()))).load()
+
+
+def test_a_base_in_dcp_files_is_checked_one_tensor_at_a_time(tmp_path):
+    """The driver's check of a base a layout wrote (finetune.check_base) reads it tensor by tensor: the digest is the
+    whole weights' (a PPO value head left out), a changed base and another model shape are refused by name."""
+    cfg = load_config("tiny", [])
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    model.add_value_head()
+    path = checkpoint.prepare(str(tmp_path / "ckpts"), 6)
+    torch_dcp.save({"model": model.state_dict()}, checkpoint_id=f"{path}/dcp", no_dist=True)
+    checkpoint.commit(path, {"level": "full", "step": 6}, written(f"{path}/dcp", 0) | written(f"{path}/dcp", 1))
+    whole = model_only(model.state_dict())
+    lazy = SavedWeights(f"{path}/dcp", keep=lambda name: not name.startswith("value_head."))
+    assert sorted(lazy) == sorted(whole) and lazy.shapes() == {n: t.shape for n, t in whole.items()}
+    assert torch.equal(lazy["blocks.1.mlp.0.weight"], whole["blocks.1.mlp.0.weight"])
+    digest = checkpoint.weights_digest(whole)
+    assert checkpoint.weights_digest(lazy) == digest
+
+    tuned = override(cfg, {"finetune.base": path, "finetune.base_digest": digest, "finetune.method": "full"})
+    check_base(tuned)  # the base it was made from, and its shape
+    with pytest.raises(ConfigError, match="not the checkpoint this run was made from"):
+        check_base(override(tuned, {"finetune.base_digest": "0" * 64}))
+    with pytest.raises(ConfigError, match=r"another model shape .*: \(128, 128\) here, \(96, 96\) in the run's model"):
+        check_base(override(tuned, {"model.d_model": 96}))

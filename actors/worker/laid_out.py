@@ -20,7 +20,7 @@ from actors.worker.engine import Engine, snapshot
 from actors.worker.injection import Injected
 from app.core import sharded_checkpoint as dcp
 from app.core.checkpoint import DCP
-from app.core.finetune import base_weights
+from app.core.finetune import base_files, base_weights
 from app.core.layout_state import load_full, load_local, local_state
 from app.core.model import GPT, InitialWeights
 from app.core.optim import by_name, make_optimizer, make_scheduler, whole_groups
@@ -62,7 +62,7 @@ class LaidOut(Engine):
         self.scheduler = make_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.steps)
         self.scheduler.load_state_dict(schedule)
         if self.held is None:
-            load_full(self.replica, self.optimizer, {"model": self._initial(), "optim": {}})
+            self._initial()
         elif tuple(self.held["at"]) == self.replica.at.place:
             load_local(self.replica, self.optimizer, self.held)
         else:
@@ -70,11 +70,16 @@ class LaidOut(Engine):
         self.model, self.held = self.replica.model, None
         return self.applied
 
-    def _initial(self) -> dict:
-        """The weights a fresh run starts from, by whole-model name: made one tensor at a time, or a base's."""
-        if self.cfg.finetune.base is not None:  # read whole, for now: a base in DCP's form would be read in parts
-            return base_weights(self.cfg.finetune)
-        return InitialWeights(self.cfg.model, self.cfg.train.seed)
+    def _initial(self) -> None:
+        """Give the part the weights a fresh run starts from: made one tensor at a time, or a base's. Of a base a
+        layout wrote (DCP), this rank reads the slices it holds; a whole model's file is read whole and cut."""
+        ft = self.cfg.finetune
+        files = base_files(ft) if ft.base is not None else None
+        if files is not None:
+            dcp.load_weights(self.replica.model, files)
+            return
+        weights = base_weights(ft) if ft.base is not None else InitialWeights(self.cfg.model, self.cfg.train.seed)
+        load_full(self.replica, self.optimizer, {"model": weights, "optim": {}})
 
     def leave(self, failed: bool) -> None:
         """Keep the part's state, not the part: its mesh goes with the group (after a sharded save in flight,

@@ -202,6 +202,18 @@ def load_at(uri: str) -> Checkpoint:
     return _load(fs, path, meta)
 
 
+def dcp_dir(uri: str) -> str | None:
+    """The DCP directory of the committed checkpoint at `uri` (a layout wrote it), or None (a whole model's files):
+    its commit is read, its files are not (a caller that reads slices of them has had them verified)."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    meta = _read_commit(fs, path, quiet=True)
+    if meta is None:
+        raise CheckpointError(f"{uri} holds no committed checkpoint ({COMMIT} missing or unreadable)")
+    if any(name.startswith(DCP + "/") for name in meta["files"]):
+        return fs.unstrip_protocol(posixpath.join(path, DCP))
+    return None
+
+
 def _load(fs, path: str, meta: dict) -> Checkpoint:
     if meta["level"] == "full":
         return Checkpoint(fs.unstrip_protocol(path), meta, _read_parts(fs, path, meta))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import posixpath
+from collections.abc import Mapping
 from pathlib import Path
 
 import fsspec
@@ -18,6 +19,8 @@ from app.core.config import Config, ConfigError, FinetuneConfig, load_config, ov
 from app.core.lora import adapters, add_adapters, is_adapter, trainable
 from app.core.model import GPT
 from app.core.storage import STORAGE_ERRORS, describe
+
+VALUE_HEAD = "value_head."  # a PPO run's, trained beside the language model
 
 
 def build_model(cfg: Config) -> GPT:
@@ -36,11 +39,12 @@ def build_model(cfg: Config) -> GPT:
 
 
 def check_base(cfg: Config) -> None:
-    """The driver's check before any worker starts: the base is there, unchanged, and fits the run's model."""
-    weights = base_weights(cfg.finetune)
+    """The driver's check before any worker starts: the base is there, unchanged (its files, its weights' digest),
+    and fits the run's model. A base a layout wrote is read one tensor at a time, never whole."""
+    weights = _verified(cfg.finetune, whole=False)
     with torch.device("meta"):
         expected = {n: t.shape for n, t in GPT(cfg.model).state_dict().items()}
-    got = {n: t.shape for n, t in weights.items()}
+    got = weights.shapes() if hasattr(weights, "shapes") else {n: t.shape for n, t in weights.items()}
     if cfg.finetune.method == "lora":  # targets that name no layer of this model
         with torch.device("meta"):
             try:
@@ -57,14 +61,30 @@ def check_base(cfg: Config) -> None:
 
 
 def base_weights(ft: FinetuneConfig) -> dict[str, torch.Tensor]:
-    """The base checkpoint's weights, refused (ConfigError) if missing, unreadable or not the ones recorded."""
+    """The base checkpoint's weights, whole (a data-parallel worker and the PPO scorers hold the whole model);
+    refused (ConfigError) if missing, unreadable or not the ones recorded."""
+    return _verified(ft, whole=True)
+
+
+def base_files(ft: FinetuneConfig) -> str | None:
+    """The DCP directory of a base a layout wrote, whose slices each rank of a laid-out run reads (the driver
+    verified its files and digest at the job's start: check_base); None for a whole model's files."""
+    try:
+        return checkpoint.dcp_dir(ft.base)
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(f"finetune.base: {e}") from None
+    except STORAGE_ERRORS as e:
+        raise ConfigError(f"finetune.base {ft.base} cannot be read: {describe(e)}") from None
+
+
+def _verified(ft: FinetuneConfig, whole: bool) -> Mapping[str, torch.Tensor]:
     try:
         ckpt = checkpoint.load_at(ft.base)
     except checkpoint.CheckpointError as e:
         raise ConfigError(f"finetune.base: {e}") from None
     except STORAGE_ERRORS as e:
         raise ConfigError(f"finetune.base {ft.base} cannot be read: {describe(e)}") from None
-    weights = model_only(checkpoint.model_weights(ckpt.parts))
+    weights = _weights(ckpt, whole)
     digest = checkpoint.weights_digest(weights)
     if ft.base_digest is not None and digest != ft.base_digest:
         raise ConfigError(
@@ -73,6 +93,16 @@ def base_weights(ft: FinetuneConfig) -> dict[str, torch.Tensor]:
             "fine-tuning run from this one with `etrain finetune --from`"
         )
     return weights
+
+
+def _weights(ckpt: checkpoint.Checkpoint, whole: bool) -> Mapping[str, torch.Tensor]:
+    """A base's weights without a PPO run's value head: a layout's DCP files read one tensor at a time unless
+    `whole`, a whole model's file at once."""
+    if not whole and checkpoint.DCP in ckpt.parts:
+        from app.core.sharded_checkpoint import SavedWeights  # torch DCP: imported only for one
+
+        return SavedWeights(ckpt.parts[checkpoint.DCP].decode(), keep=lambda n: not n.startswith(VALUE_HEAD))
+    return model_only(checkpoint.model_weights(ckpt.parts))
 
 
 def load_base(model: GPT, ft: FinetuneConfig) -> None:
@@ -89,7 +119,7 @@ def load_base(model: GPT, ft: FinetuneConfig) -> None:
 
 def model_only(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's weights without a PPO run's value head: the language model a base is."""
-    return {n: t for n, t in weights.items() if not n.startswith("value_head.")}
+    return {n: t for n, t in weights.items() if not n.startswith(VALUE_HEAD)}
 
 
 def trained_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -140,7 +170,7 @@ def resolve_base(source: str) -> tuple[str, str, Config | None]:
         raise ConfigError(f"--from {source}: {e}") from None
     except STORAGE_ERRORS as e:
         raise ConfigError(f"--from {source} cannot be read: {describe(e)}") from None
-    weights = model_only(checkpoint.model_weights(ckpt.parts))
+    weights = _weights(ckpt, whole=False)
     if any(is_adapter(n) for n in weights):
         raise ConfigError(
             f"--from {source}: {ckpt.path} holds a LoRA run's adapters, not a whole model; export it with "

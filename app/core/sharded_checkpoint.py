@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pickle
 import posixpath
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 
 import fsspec
@@ -79,9 +80,42 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str, tie
     dcp.load(state_dict(model, optimizer, tied), storage_reader=reader, no_dist=True)
 
 
+def load_weights(model: torch.nn.Module, uri: str) -> None:
+    """Take the weights of the checkpoint under `uri` into this rank's part, in place (each rank reads the slices it
+    holds), and none of its optimizer state: a fine-tuning run's start from a base a layout wrote."""
+    dcp.load({"model": model.state_dict()}, storage_reader=_reader(uri), no_dist=True)
+
+
+class SavedWeights(Mapping):
+    """The model weights of the checkpoint under `uri` by name, each read when it is asked for: a base's shapes and
+    digest without the whole model in memory (one tensor at a time). `keep` says which names count."""
+
+    def __init__(self, uri: str, keep=lambda name: True):
+        self._reader = _reader(uri)
+        saved = self._reader.read_metadata().state_dict_metadata
+        self._meta = {
+            k.removeprefix("model."): m for k, m in saved.items() if k.startswith("model.") and keep(k[len("model.") :])
+        }
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        meta = self._meta[name]
+        one = {f"model.{name}": torch.empty(meta.size, dtype=meta.properties.dtype)}
+        dcp.load(one, storage_reader=self._reader, no_dist=True)
+        return one[f"model.{name}"]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._meta)
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def shapes(self) -> dict[str, torch.Size]:
+        return {name: torch.Size(meta.size) for name, meta in self._meta.items()}
+
+
 def whole_state(uri: str) -> dict:
-    """The whole model's weights and optimizer state by name, as plain tensors: what export, a fine-tuning base and
-    a data-parallel resume take. Only these hold the whole model."""
+    """The whole model's weights and optimizer state by name, as plain tensors: what export, a data-parallel run's
+    base and a data-parallel resume take. Only these hold the whole model."""
     reader = _reader(uri)
     saved = reader.read_metadata().state_dict_metadata
     flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items() if hasattr(m, "size")}
