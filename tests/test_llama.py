@@ -1,0 +1,109 @@
+"""The Llama family against `transformers` itself: tiny random models of each supported architecture (GQA, Llama
+3.1's rope scaling, Qwen2's biases, tied and untied heads, drawn from a printed seed) load from their Hugging Face
+directory and give `transformers`' logits; ours written back load in `transformers` and give ours; what is not
+supported is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from app.core import hf
+from app.core.config import ConfigError
+from app.core.models.llama import Llama
+
+transformers = pytest.importorskip("transformers")  # a dev dependency: installed by `make` for the tests
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def tiny_config(architecture: str, rng) -> transformers.PretrainedConfig:
+    heads = rng.choice([4, 8])
+    kv = rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0])
+    common = dict(
+        vocab_size=rng.choice([64, 97]),
+        hidden_size=8 * heads,
+        intermediate_size=rng.choice([40, 64]),
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=64,
+        tie_word_embeddings=rng.random() < 0.5,
+        rms_norm_eps=1e-6,
+    )
+    print(architecture, common)
+    if architecture == "LlamaForCausalLM":
+        scaling = {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        }
+        rope = {"rope_theta": 500_000.0, "rope_type": "llama3", **scaling} if rng.random() < 0.5 else None
+        bias = rng.random() < 0.5
+        print("rope", rope, "attention_bias", bias)
+        return transformers.LlamaConfig(**common, rope_parameters=rope, attention_bias=bias, mlp_bias=bias)
+    if architecture == "MistralForCausalLM":
+        return transformers.MistralConfig(**common, sliding_window=None)
+    return transformers.Qwen2Config(**common)
+
+
+def reference(architecture: str, config, seed: int):
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).eval()
+    with torch.no_grad():  # random biases and norms: a zero or a one would hide a name swapped
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(0.5 if "norm" in name else 0.0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_hugging_face_directory_loads_and_gives_its_logits(architecture, rng, tmp_path):
+    theirs = reference(architecture, tiny_config(architecture, rng), rng.randrange(2**31))
+    theirs.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="20KB")  # an index of several files
+    args = hf.read_config(tmp_path)
+    ours = Llama(args).eval()
+    missing, unexpected = ours.load_state_dict(hf.read_weights(tmp_path), strict=False)
+    assert not unexpected and set(missing) <= ({"head.weight"} if args.tie_weights else set())
+    tokens = torch.randint(0, args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(rng.randrange(99)))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.logits(tokens), theirs(tokens).logits)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_ours_written_as_a_hugging_face_directory_loads_in_transformers(architecture, rng, tmp_path):
+    source = reference(architecture, tiny_config(architecture, rng), rng.randrange(2**31))
+    source.save_pretrained(tmp_path / "in")
+    args = hf.read_config(tmp_path / "in")
+    ours = Llama(args).eval()
+    ours.load_state_dict(hf.read_weights(tmp_path / "in"), strict=False)
+    hf.write(ours.state_dict(), args, tmp_path / "out", shard_bytes=16 << 10)
+    index = json.loads((tmp_path / "out" / hf.INDEX).read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(theirs).__name__ == ("Qwen2ForCausalLM" if architecture == "Qwen2ForCausalLM" else "LlamaForCausalLM")
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours.logits(tokens))
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architecture GPT2LMHeadModel is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act=gelu is not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope type yarn"),
+    ],
+)
+def test_what_the_model_does_not_implement_is_refused_by_name(change, named, rng, tmp_path):
+    config = tiny_config("LlamaForCausalLM", rng)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(saved | {"architectures": ["LlamaForCausalLM"]} | change))
+    with pytest.raises(ConfigError, match=named):
+        hf.read_config(tmp_path)
+    with pytest.raises(ConfigError, match="no config.json"):
+        hf.read_config(tmp_path / "elsewhere")
