@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from app.core import hf
+from app.core import checkpoint, hf
 from app.core.config import ConfigError
-from app.core.models.llama import Llama
+from app.core.model import make_model
 
 transformers = pytest.importorskip("transformers")  # a dev dependency: installed by `make` for the tests
 
@@ -65,9 +65,8 @@ def test_a_hugging_face_directory_loads_and_gives_its_logits(architecture, rng, 
     theirs = reference(architecture, tiny_config(architecture, rng), rng.randrange(2**31))
     theirs.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="20KB")  # an index of several files
     args = hf.read_config(tmp_path)
-    ours = Llama(args).eval()
-    missing, unexpected = ours.load_state_dict(hf.read_weights(tmp_path), strict=False)
-    assert not unexpected and set(missing) <= ({"head.weight"} if args.tie_weights else set())
+    ours = make_model(args).eval()
+    ours.load_state_dict(hf.read_weights(tmp_path))  # strict: every tensor named and shaped alike
     tokens = torch.randint(0, args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(rng.randrange(99)))
     with torch.no_grad():
         torch.testing.assert_close(ours.logits(tokens), theirs(tokens).logits)
@@ -78,8 +77,8 @@ def test_ours_written_as_a_hugging_face_directory_loads_in_transformers(architec
     source = reference(architecture, tiny_config(architecture, rng), rng.randrange(2**31))
     source.save_pretrained(tmp_path / "in")
     args = hf.read_config(tmp_path / "in")
-    ours = Llama(args).eval()
-    ours.load_state_dict(hf.read_weights(tmp_path / "in"), strict=False)
+    ours = make_model(args).eval()
+    ours.load_state_dict(hf.read_weights(tmp_path / "in"))
     hf.write(ours.state_dict(), args, tmp_path / "out", shard_bytes=16 << 10)
     index = json.loads((tmp_path / "out" / hf.INDEX).read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded
@@ -107,3 +106,31 @@ def test_what_the_model_does_not_implement_is_refused_by_name(change, named, rng
         hf.read_config(tmp_path)
     with pytest.raises(ConfigError, match="no config.json"):
         hf.read_config(tmp_path / "elsewhere")
+
+
+def test_a_hugging_face_directory_is_a_fine_tuning_base(rng, tmp_path):
+    """`etrain finetune --from DIR`: the run takes the directory's model (shorter sequences allowed, nothing else
+    changed), records the weights' digest (read a tensor at a time), and builds the model with its weights; a longer
+    sequence, another model or a changed file is refused by name."""
+    from app.core.finetune import build_model, check_base, finetune_config
+
+    architecture = rng.choice(ARCHITECTURES)
+    theirs = reference(architecture, tiny_config(architecture, rng), rng.randrange(2**31))
+    theirs.save_pretrained(tmp_path)
+    cfg = finetune_config(str(tmp_path), "tiny", ["model.seq_len=32", "finetune.method=full"])
+    assert cfg.model.family == "llama" and cfg.model.seq_len == 32 and cfg.finetune.base == str(tmp_path)
+    assert cfg.finetune.base_digest == checkpoint.weights_digest(hf.read_weights(tmp_path))
+    check_base(cfg)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(build_model(cfg).eval().logits(tokens), theirs(tokens).logits)
+
+    with pytest.raises(ConfigError, match=r"model.seq_len=128 \(the base's: 64\)"):
+        finetune_config(str(tmp_path), "tiny", ["model.seq_len=128"])
+    with pytest.raises(ConfigError, match=r"model.n_layer=3 \(the base's: 2\)"):
+        finetune_config(str(tmp_path), "tiny", ["model.n_layer=3"])
+    with torch.no_grad():
+        theirs.model.norm.weight.add_(1.0)
+    theirs.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="not the checkpoint this run was made from"):
+        check_base(cfg)

@@ -22,7 +22,7 @@ from app.core import sharded_checkpoint as dcp
 from app.core.checkpoint import DCP
 from app.core.finetune import base_files, base_weights
 from app.core.layout_state import load_full, load_local, local_state
-from app.core.model import GPT, InitialWeights
+from app.core.model import GPT, InitialWeights, make_model
 from app.core.optim import by_name, make_optimizer, make_scheduler, whole_groups
 from app.core.parallel import Replica, ReplicaBroken, make_mesh
 
@@ -39,7 +39,7 @@ class LaidOut(Engine):
     def build_model(self) -> GPT:
         """The model's structure only: each rank makes its part when it joins."""
         with torch.device("meta"):
-            return GPT(self.cfg.model)
+            return make_model(self.cfg.model)
 
     def warm_up(self) -> None:
         """Nothing to warm: the part exists only in a group."""

@@ -1,19 +1,20 @@
-"""Hugging Face model directories in and out: `config.json` onto LlamaArgs (refusing what the Llama model does not
-implement, by name), weights by name from `*.safetensors` (one file or an index of shards), and the same written
-back so that `transformers.AutoModelForCausalLM.from_pretrained` loads it. Local paths only: never a hub download."""
+"""Hugging Face model directories in and out: `config.json` onto our model section (family llama; what the Llama
+model does not implement refused by name), weights by name from `*.safetensors` (one file or an index of shards),
+and the same written back so that `transformers.AutoModelForCausalLM.from_pretrained` loads it. Local paths only:
+never a hub download."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from app.core.config import ConfigError
-from app.core.models.llama import LlamaArgs
+from app.core.config import ConfigError, ModelConfig
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 INDEX = "model.safetensors.index.json"
@@ -32,7 +33,7 @@ BLOCK = {
 OUTSIDE = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "head"}
 
 
-def read_config(directory: str | Path) -> LlamaArgs:
+def read_config(directory: str | Path) -> ModelConfig:
     """The model of a Hugging Face directory, from its config.json; ConfigError naming what is not supported."""
     path = Path(directory) / "config.json"
     try:
@@ -63,7 +64,9 @@ def read_config(directory: str | Path) -> LlamaArgs:
     if kind not in ("default", "llama3"):
         raise ConfigError(f"{path}: rope type {kind} is not supported (default and llama3 are)")
     bias = bool(cfg.get("attention_bias", False))
-    return LlamaArgs(
+    scaling = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return ModelConfig(
+        family="llama",
         vocab_size=cfg["vocab_size"],
         d_model=cfg["hidden_size"],
         n_layer=cfg["num_hidden_layers"],
@@ -73,16 +76,7 @@ def read_config(directory: str | Path) -> LlamaArgs:
         seq_len=cfg["max_position_embeddings"],
         head_dim=cfg.get("head_dim"),
         rope_theta=float(rope.get("rope_theta") or 10_000.0),
-        rope_scaling=(
-            (
-                float(rope["factor"]),
-                float(rope["low_freq_factor"]),
-                float(rope["high_freq_factor"]),
-                int(rope["original_max_position_embeddings"]),
-            )
-            if kind == "llama3"
-            else None
-        ),
+        rope_scaling={k: rope[k] for k in scaling} if kind == "llama3" else None,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         qkv_bias=bias or family == "qwen2",
         o_bias=bias,
@@ -124,23 +118,61 @@ def files(directory: str | Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def read_weights(directory: str | Path, wanted=lambda name: True) -> dict[str, torch.Tensor]:
-    """The weights of a Hugging Face directory by our names, only those `wanted` is true of, each file opened once
-    (safetensors reads a tensor without the rest of its file)."""
+def is_model_dir(source: str) -> bool:
+    """A local Hugging Face model directory: config.json beside model.safetensors or its index."""
+    path = Path(source)
+    return (
+        "://" not in source
+        and (path / "config.json").is_file()
+        and any((path / name).is_file() for name in ("model.safetensors", INDEX))
+    )
+
+
+class Weights(Mapping):
+    """A Hugging Face directory's weights by our names, each read when asked for (safetensors reads one tensor
+    without the rest of its file): a base's shapes and digest without the whole model in memory."""
+
+    def __init__(self, directory: str | Path):
+        self._files = {ours: (path, theirs) for theirs, path in files(directory).items() if (ours := our_name(theirs))}
+        if "head.weight" not in self._files and "embed.weight" in self._files:  # tied: the head is the embedding
+            self._files["head.weight"] = self._files["embed.weight"]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path, theirs = self._files[name]
+        with safe_open(path, "pt") as f:
+            return f.get_tensor(theirs)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def shapes(self) -> dict[str, torch.Size]:
+        shapes = {}
+        for name, (path, theirs) in self._files.items():
+            with safe_open(path, "pt") as f:
+                shapes[name] = torch.Size(f.get_slice(theirs).get_shape())
+        return shapes
+
+
+def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The weights of a Hugging Face directory by our names (a tied head as the embedding), each file opened once."""
     by_file: dict[Path, list[str]] = {}
     for theirs, path in files(directory).items():
-        ours = our_name(theirs)
-        if ours is not None and wanted(ours):
+        if our_name(theirs) is not None:
             by_file.setdefault(path, []).append(theirs)
     weights = {}
     for path, names in by_file.items():
         with safe_open(path, "pt") as f:
             for theirs in names:
                 weights[our_name(theirs)] = f.get_tensor(theirs)
+    if "head.weight" not in weights and "embed.weight" in weights:
+        weights["head.weight"] = weights["embed.weight"]
     return weights
 
 
-def write(model_state: dict[str, torch.Tensor], args: LlamaArgs, out: str | Path, shard_bytes: int = 2 << 30) -> None:
+def write(model_state: dict[str, torch.Tensor], args: ModelConfig, out: str | Path, shard_bytes: int = 2 << 30) -> None:
     """A Hugging Face directory of `model_state` (our names): config.json, model-0000N-of-0000M.safetensors in
     shards of at most `shard_bytes` (a tensor larger than that alone in its own), and their index."""
     out = Path(out)
@@ -167,34 +199,28 @@ def write(model_state: dict[str, torch.Tensor], args: LlamaArgs, out: str | Path
     (out / "config.json").write_text(json.dumps(hf_config(args, next(iter(tensors.values())).dtype), indent=2))
 
 
-def hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
+def hf_config(args: ModelConfig, dtype: torch.dtype) -> dict:
     """LlamaForCausalLM's config.json for `args` (Qwen2's biases on q, k and v alone are Llama's attention_bias
     only with o's too: such a model is written as Qwen2)."""
     qwen2 = args.qkv_bias and not args.o_bias
-    rope = {"rope_theta": args.rope_theta, "rope_type": "default"}
+    theta = args.rope_theta or 10_000.0
+    rope = {"rope_theta": theta, "rope_type": "default"}
     if args.rope_scaling is not None:
-        factor, low, high, context = args.rope_scaling
-        rope |= {
-            "rope_type": "llama3",
-            "factor": factor,
-            "low_freq_factor": low,
-            "high_freq_factor": high,
-            "original_max_position_embeddings": context,
-        }
+        rope |= {"rope_type": "llama3", **args.rope_scaling.model_dump()}
     return {
         "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
         "model_type": "qwen2" if qwen2 else "llama",
         "vocab_size": args.vocab_size,
         "hidden_size": args.d_model,
-        "intermediate_size": args.ffn_dim,
+        "intermediate_size": args.ffn_width,
         "num_hidden_layers": args.n_layer,
         "num_attention_heads": args.n_head,
-        "num_key_value_heads": args.n_kv_head,
+        "num_key_value_heads": args.kv_heads,
         "head_dim": args.head_width,
         "max_position_embeddings": args.seq_len,
         "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
+        "rms_norm_eps": args.norm_eps or 1e-5,
+        "rope_theta": theta,
         "rope_scaling": None if args.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"},
         "rope_parameters": rope,
         "attention_bias": args.o_bias,

@@ -153,14 +153,27 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def make_model(cfg: ModelConfig) -> GPT:
+    """The model of `cfg`'s family, its weights initial_weight's (none on the meta device)."""
+    if cfg.family == "llama":
+        from app.core.models.llama import Llama  # it builds on this module
+
+        return Llama(cfg)
+    return GPT(cfg)
+
+
 def initial_weight(cfg: ModelConfig, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     """The initial value of the weight `name`, a function of the seed and the name alone: a rank that holds a part of
     the model makes any tensor's value without the others' (one tensor at a time, on CPU). Linear and embedding
     weights N(0, 0.02), with GPT-2's scaled init of residual projections, which keeps the residual stream's variance
     flat in depth; norms 1 and 0."""
-    if ".norm" in name or name.startswith("norm."):
+    module = name.rpartition(".")[0]
+    if module.endswith("norm") or module.endswith(("norm1", "norm2")):
         return torch.ones(shape) if name.endswith(".weight") else torch.zeros(shape)
-    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("attn.proj.weight", "mlp.2.weight")) else 0.02
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    residual = ("attn.proj.weight", "mlp.2.weight", "attn.o.weight", "mlp.down.weight")  # GPT's, Llama's
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(residual) else 0.02
     generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     return torch.normal(0.0, std, tuple(shape), generator=generator)
 
@@ -173,7 +186,7 @@ class InitialWeights(dict):
         super().__init__()
         self.cfg, self.seed = cfg, seed
         with torch.device("meta"):
-            self.shapes = {n: p.shape for n, p in GPT(cfg).named_parameters(remove_duplicate=False)}
+            self.shapes = {n: p.shape for n, p in make_model(cfg).named_parameters(remove_duplicate=False)}
 
     def __missing__(self, name: str) -> torch.Tensor:
         tied = name == "head.weight" and self.cfg.tie_weights

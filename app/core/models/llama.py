@@ -9,46 +9,24 @@ tests/test_llama.py holds the logits to `transformers`' own.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.core.model import next_token_loss
+from app.core.config import ModelConfig
+from app.core.model import initial_weight, next_token_loss
 
 
-@dataclass(frozen=True)
-class LlamaArgs:
-    vocab_size: int
-    d_model: int
-    n_layer: int
-    n_head: int
-    n_kv_head: int  # grouped-query attention: n_head / n_kv_head query heads share each key/value head
-    ffn_dim: int  # the SwiGLU MLP's hidden width
-    seq_len: int  # the longest sequence the rotary tables cover
-    head_dim: int | None = None  # d_model / n_head unless given
-    rope_theta: float = 10_000.0
-    rope_scaling: tuple[float, float, float, int] | None = None  # llama3: factor, low and high freq factors, context
-    norm_eps: float = 1e-5
-    qkv_bias: bool = False  # Qwen2
-    o_bias: bool = False
-    mlp_bias: bool = False
-    tie_weights: bool = False
-
-    @property
-    def head_width(self) -> int:
-        return self.head_dim or self.d_model // self.n_head
-
-
-def inverse_frequencies(args: LlamaArgs) -> torch.Tensor:
+def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """Each rotary pair's frequency; with `rope_scaling`, Llama 3.1's: low frequencies (wavelengths beyond the
     original context) divided by `factor`, high ones kept, the band between blended smoothly."""
-    d = args.head_width
-    inv = 1.0 / args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
-    if args.rope_scaling is None:
+    d = cfg.head_width
+    inv = 1.0 / (cfg.rope_theta or 10_000.0) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    if cfg.rope_scaling is None:
         return inv
-    factor, low, high, context = args.rope_scaling
+    r = cfg.rope_scaling
+    factor, low, high, context = r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings
     wavelength = 2 * math.pi / inv
     scaled = torch.where(wavelength > context / low, inv / factor, inv)
     smooth = (context / wavelength - low) / (high - low)
@@ -60,18 +38,19 @@ def inverse_frequencies(args: LlamaArgs) -> torch.Tensor:
 class Rotary(nn.Module):
     """cos and sin tables over the head's two halves; buffers, rebuilt rather than checkpointed."""
 
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.args = args
-        self.register_buffer("cos", torch.empty(args.seq_len, args.head_width), persistent=False)
-        self.register_buffer("sin", torch.empty(args.seq_len, args.head_width), persistent=False)
+        self.cfg = cfg
+        self.register_buffer("cos", torch.empty(cfg.seq_len, cfg.head_width), persistent=False)
+        self.register_buffer("sin", torch.empty(cfg.seq_len, cfg.head_width), persistent=False)
         self.reset()
 
     def reset(self) -> None:
+        """The tables, on the device the buffers are on (a model built on the meta device fills them here)."""
         if self.cos.is_meta:
             return
-        inv = inverse_frequencies(self.args).to(self.cos.device)
-        angles = torch.outer(torch.arange(self.args.seq_len, device=inv.device).float(), inv)
+        inv = inverse_frequencies(self.cfg).to(self.cos.device)
+        angles = torch.outer(torch.arange(self.cfg.seq_len, device=inv.device).float(), inv)
         angles = torch.cat((angles, angles), dim=-1)
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
@@ -86,9 +65,9 @@ class Rotary(nn.Module):
 class RMSNorm(nn.Module):
     """Normalised in fp32 whatever the input's precision, scaled in it (as the reference implementation does)."""
 
-    def __init__(self, width: int, eps: float):
+    def __init__(self, width: int, eps: float | None):
         super().__init__()
-        self.eps = eps
+        self.eps = eps or 1e-5
         self.weight = nn.Parameter(torch.ones(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,15 +77,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, hd = args.d_model, args.head_width
+        d, hd = cfg.d_model, cfg.head_width
         self.head_dim = hd
-        self.q = nn.Linear(d, args.n_head * hd, bias=args.qkv_bias)
-        self.k = nn.Linear(d, args.n_kv_head * hd, bias=args.qkv_bias)
-        self.v = nn.Linear(d, args.n_kv_head * hd, bias=args.qkv_bias)
-        self.o = nn.Linear(args.n_head * hd, d, bias=args.o_bias)
-        self.rotary = Rotary(args)
+        self.q = nn.Linear(d, cfg.n_head * hd, bias=cfg.qkv_bias)
+        self.k = nn.Linear(d, cfg.kv_heads * hd, bias=cfg.qkv_bias)
+        self.v = nn.Linear(d, cfg.kv_heads * hd, bias=cfg.qkv_bias)
+        self.o = nn.Linear(cfg.n_head * hd, d, bias=cfg.o_bias)
+        self.rotary = Rotary(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape  # the heads come from the widths held: n_head / tp and n_kv_head / tp under TP
@@ -117,21 +96,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate = nn.Linear(args.d_model, args.ffn_dim, bias=args.mlp_bias)
-        self.up = nn.Linear(args.d_model, args.ffn_dim, bias=args.mlp_bias)
-        self.down = nn.Linear(args.ffn_dim, args.d_model, bias=args.mlp_bias)
+        self.gate = nn.Linear(cfg.d_model, cfg.ffn_width, bias=cfg.mlp_bias)
+        self.up = nn.Linear(cfg.d_model, cfg.ffn_width, bias=cfg.mlp_bias)
+        self.down = nn.Linear(cfg.ffn_width, cfg.d_model, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn_norm, self.mlp_norm = RMSNorm(args.d_model, args.norm_eps), RMSNorm(args.d_model, args.norm_eps)
-        self.attn, self.mlp = Attention(args), MLP(args)
+        self.attn_norm, self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps), RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn, self.mlp = Attention(cfg), MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -139,27 +118,58 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """The interface of app.core.model.GPT: forward(idx, targets) -> (logits, loss), logits, trunk."""
+    """app.core.model.GPT's interface and structure (embed, blocks by index, norm, head; a pipeline stage drops what
+    it does not compute, app/core/parallel.py), so that every engine runs either."""
 
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.args = args
-        self.embed = nn.Embedding(args.vocab_size, args.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layer)})  # by index, as GPT's
-        self.norm = RMSNorm(args.d_model, args.norm_eps)
-        self.head = nn.Linear(args.d_model, args.vocab_size, bias=False)
-        if args.tie_weights:
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = None  # rotary positions only
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
             self.head.weight = self.embed.weight
+        self.value_head: nn.Linear | None = None  # PPO's critic (add_value_head)
+        if not self.head.weight.is_meta:
+            with torch.no_grad():
+                for name, p in self.named_parameters():
+                    p.copy_(initial_weight(cfg, name, p.shape, torch.initial_seed()))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def materialize(self, device: torch.device) -> Llama:
+        """Built on the meta device (or a part of it), given storage on `device` and its rotary tables."""
+        self.to_empty(device=device)
+        if self.cfg.tie_weights and self.embed is not None and self.head is not None:
+            self.head.weight = self.embed.weight
+        for module in self.modules():
+            if isinstance(module, Rotary):
+                module.reset()
+        return self
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, values: bool = False):
+        """(logits, loss), or with `values` (logits, the value head's estimate at each position), as GPT's."""
+        if values:
+            hidden = self.norm(self.trunk(idx))
+            return self.head(hidden), self.value_head(hidden).squeeze(-1)
         logits = self.logits(idx)
         return logits, None if targets is None else next_token_loss(logits, targets)
 
-    def logits(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.trunk(idx)))
+    def add_value_head(self) -> None:
+        self.value_head = nn.Linear(self.cfg.d_model, 1).to(self.head.weight.device)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
 
-    def trunk(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.trunk(x)
+        return x if self.head is None else self.head(self.norm(x))
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
         for block in self.blocks.values():
             x = block(x)
         return x
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
