@@ -78,7 +78,15 @@ def cmd_train(args, started_at: float) -> int:
     if args.resume and args.config:
         raise ConfigError("--resume takes the run's own config.yaml; drop --config (use --set for resumable keys)")
     if args.resume:
+        if args.init_from:
+            raise ConfigError("--resume continues a run from its own checkpoint; drop --init-from")
         return _resume(args, started_at)
+    if args.init_from:  # continued pre-training: every weight trains, from the directory's
+        from app.core.finetune import finetune_config
+
+        cfg = finetune_config(args.init_from, args.config, ["finetune.method=full", *args.set])
+        print(f"base: {cfg.finetune.base}", file=sys.stderr)
+        return _train(args, cfg, None, started_at)
     return _train(args, load_config(args.config, args.set), None, started_at)
 
 
@@ -177,6 +185,14 @@ def cmd_prepare(args, started_at: float) -> int:
     cfg = load_config(args.config, [*sugar, *args.set])
     storage = dict(_parse_option(o) for o in args.storage_option)
     open_output(args.out, storage)  # a wrong option or an unreachable endpoint, named before Ray starts
+    if isinstance(cfg.prepare.tokenizer, str) and cfg.prepare.tokenizer != "bytes":  # and a tokenizer that is not
+        from app.core.config import ConfigError
+        from pipelines.tokenizer import read_file
+
+        try:
+            read_file(cfg.prepare.tokenizer)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     connect(cfg)
     report = prepare(args.src, args.out, cfg, overwrite=args.overwrite, storage=storage, progress=not args.no_progress)
     print(json.dumps(report, indent=1))
@@ -540,9 +556,16 @@ def _parser() -> argparse.ArgumentParser:
         "train a model (a new run, or --resume RUN_DIR)",
         "etrain train --config tiny --set train.steps=500",
         "etrain train --resume runs/20261129-123456 --set train.steps=800",
+        "etrain train --init-from models/Llama-3.2-1B --config small --set model.seq_len=1024",
     )
     with_config(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest committed checkpoint")
+    p.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="start from these weights, every one trained (continued pre-training): a Hugging Face model "
+        "directory (its model section), a run or a checkpoint",
+    )
     with_progress(p)
 
     p = command(

@@ -8,12 +8,15 @@ import shutil
 from pathlib import Path
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from app.cli import main
+from app.core.config import ConfigError
 from app.job import new_run_dir, train
+from pipelines import tokenizer
 from pipelines.shards import ShardReader
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -149,3 +152,32 @@ def test_prepare_and_train_on_s3(sources, s3_bucket, make_cfg, tmp_path):
     cfg = make_cfg(f"data.source={out}/manifest.json", "train.steps=4", "train.global_batch=8", "checkpoint.every=2")
     summary = train(cfg, new_run_dir(cfg), progress=False)
     assert summary["steps"] == 4 and summary["final_loss"] < summary["first_loss"]
+
+
+def test_a_tokenizer_is_learned_or_given_kept_with_the_shards_and_named_to_a_model_that_does_not_fit(
+    sources, tmp_path, make_cfg
+):
+    """prepare.tokenizer: a BPE learned from the kept documents (uint16 shards, its file and sha256 in the manifest,
+    each document ended by its EOS); the same file given back packs the same shards; a model whose vocabulary is
+    smaller is refused naming the tokenizer, one that fits trains."""
+    learned = tmp_path / "learned"
+    assert run_prepare(sources, str(learned), "--set", "prepare.tokenizer={train: bpe, vocab_size: 400}") == 0
+    manifest = json.loads((learned / "manifest.json").read_text())
+    kept = tokenizer.read_file(learned)
+    assert manifest["token_dtype"] == "uint16" and manifest["vocab_size"] == 400 == kept.vocab_size
+    assert manifest["tokenizer"] == {"file": "tokenizer.json", "sha256": kept.sha256, "eos": 0, "vocab_size": 400}
+    rows = ShardReader(str(learned / "manifest.json"), "train")
+    stream = np.concatenate([rows.get(np.arange(len(rows)))[:, :-1].ravel()])
+    assert stream.max() < 400 and (stream == kept.eos).any() and stream.max() > 255  # merges, ends of documents
+    assert any(w in kept.decode(stream[:200]) for w in ("the", "and", "of"))  # text comes back
+
+    given = tmp_path / "given"
+    assert run_prepare(sources, str(given), "--set", f"prepare.tokenizer={learned / 'tokenizer.json'}") == 0
+    again = json.loads((given / "manifest.json").read_text())
+    assert again["splits"] == manifest["splits"] and again["tokenizer"] == manifest["tokenizer"]
+
+    small = make_cfg(f"data.source={learned / 'manifest.json'}", "train.steps=2")
+    with pytest.raises(ConfigError, match=r"tokenized with its tokenizer tokenizer.json .* into 400 token ids, but "):
+        train(small, new_run_dir(small), progress=False)
+    fits = make_cfg(f"data.source={learned / 'manifest.json'}", "train.steps=4", "model.vocab_size=400")
+    assert train(fits, new_run_dir(fits), progress=False)["steps"] == 4

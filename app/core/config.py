@@ -259,8 +259,22 @@ class DataConfig(Section):
         return self
 
 
+class TrainedTokenizer(Section):
+    """A byte-level BPE learned by `etrain prepare` from the corpus it keeps (after the filters and dedup)."""
+
+    train: Literal["bpe"] = "bpe"
+    vocab_size: int = Field(ge=257, le=2**32, description="tokens, <|endoftext|> and the 256 bytes among them")
+    sample_bytes: int = Field(100_000_000, ge=1, description="the corpus text it learns from, at most")
+
+
 class PrepareConfig(Section):
     """`etrain prepare`: reading, quality filters and dedup. See pipelines/quality.py."""
+
+    tokenizer: str | TrainedTokenizer = Field(
+        "bytes",
+        description="bytes (every byte a token); a tokenizer.json or a directory holding one (a Hugging Face "
+        "model's); or {train: bpe, vocab_size: N} to learn one from the corpus. Kept with the shards",
+    )
 
     jsonl_field: str = Field("text", description="JSONL key holding a document's text")
     parquet_column: str = Field("text", description="Parquet column holding a document's text")
@@ -577,7 +591,8 @@ class LoraConfig(Section):
         ["attn.q", "attn.k", "attn.v", "attn.proj"],
         min_length=1,
         description="linear layers that get adapters, by name or its end: attn.q, attn.k, attn.v, attn.proj, mlp.0, "
-        "mlp.2 (in every block), blocks.0.attn.q (one), head",
+        "mlp.2 (in every block), blocks.0.attn.q (one), head; Llama's: attn.o, mlp.gate, mlp.up, mlp.down (its "
+        "default: attn.q, attn.k, attn.v, attn.o)",
     )
     also_train: list[str] = Field(
         [],
@@ -688,6 +703,19 @@ class Config(Section):
     health: HealthConfig = HealthConfig()
     run: RunConfig = RunConfig()
     faults: list[Fault] = Field([], description="injected failures (testing); see Fault")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _llama_lora_targets(cls, raw: Any) -> Any:
+        """LoRA's default targets are the attention's projections of the model's family: Llama's output projection
+        is attn.o, GPT's attn.proj."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict) or raw["model"].get("family") != "llama":
+            return raw
+        finetune = dict(raw.get("finetune") or {})
+        lora = dict(finetune.get("lora") or {})
+        if "targets" not in lora:
+            lora["targets"] = ["attn.q", "attn.k", "attn.v", "attn.o"]
+        return raw | {"finetune": finetune | {"lora": lora}}
 
     @model_validator(mode="before")
     @classmethod

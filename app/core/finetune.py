@@ -66,19 +66,22 @@ def base_weights(ft: FinetuneConfig) -> dict[str, torch.Tensor]:
     return _verified(ft, whole=True)
 
 
-def base_files(ft: FinetuneConfig) -> str | None:
-    """The DCP directory of a base a layout wrote, whose slices each rank of a laid-out run reads (the driver
-    verified its files and digest at the job's start: check_base); None for a whole model's files."""
+def base_source(ft: FinetuneConfig) -> str | Mapping[str, torch.Tensor]:
+    """What a laid-out rank takes its part of the base from, never the whole model at once where the base allows:
+    a layout's DCP directory (the rank reads its slices of it), a Hugging Face directory's tensors (read one at a
+    time), else a whole model's file (read whole: a data-parallel run wrote it, holding the whole model). The
+    driver verified the files and the digest at the job's start (check_base)."""
     from app.core import hf
 
     if hf.is_model_dir(ft.base):
-        return None
+        return hf.Weights(ft.base)
     try:
-        return checkpoint.dcp_dir(ft.base)
+        files = checkpoint.dcp_dir(ft.base)
     except checkpoint.CheckpointError as e:
         raise ConfigError(f"finetune.base: {e}") from None
     except STORAGE_ERRORS as e:
         raise ConfigError(f"finetune.base {ft.base} cannot be read: {describe(e)}") from None
+    return files if files is not None else base_weights(ft)
 
 
 def _verified(ft: FinetuneConfig, whole: bool) -> Mapping[str, torch.Tensor]:
