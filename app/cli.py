@@ -451,6 +451,23 @@ def cmd_export(args, started_at: float) -> int:
     return 0
 
 
+def cmd_generate(args, started_at: float) -> int:
+    import torch
+
+    from app.core.config import ConfigError
+    from app.generate import generate, load
+
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:
+        raise ConfigError("--temperature must be >= 0, --top-p in (0, 1], --max-new-tokens >= 1")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    loaded = load(args.source, device)
+    print(f"model: {loaded.source}", file=sys.stderr)
+    prompt = loaded.encode(args.prompt)
+    tokens = generate(loaded.model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, loaded.eos)
+    print(args.prompt + loaded.decode(tokens))
+    return 0
+
+
 def cmd_config(args, started_at: float) -> int:
     from app.core.config import load_config
 
@@ -614,6 +631,21 @@ def _parser() -> argparse.ArgumentParser:
         help="run: config.yaml and checkpoints/ (etrain finetune --from takes it); hf: a Hugging Face directory "
         "(config.json, sharded safetensors and their index) of a model.family=llama run",
     )
+
+    p = command(
+        "generate",
+        cmd_generate,
+        "continue a prompt with a trained model: a run, a checkpoint or a Hugging Face directory (KV cache)",
+        'etrain generate runs/tiny --prompt "def main():" --max-new-tokens 64',
+        'etrain generate models/llama-hf --prompt "Once upon a time" --temperature 0.8 --top-p 0.95 --seed 1',
+    )
+    p.add_argument("source", metavar="RUN_OR_DIR", help="a run directory, a checkpoint, or a Hugging Face directory")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: the likeliest token each time (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="draw within the tokens holding this much probability")
+    p.add_argument("--seed", type=int, default=0, help="the draws' seed (default: 0)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda where there is one")
 
     p = command(
         "prepare",

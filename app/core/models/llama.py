@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.core.config import ModelConfig
-from app.core.model import initial_weight, next_token_loss
+from app.core.model import KVCache, initial_weight, next_token_loss
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -87,11 +87,14 @@ class Attention(nn.Module):
         self.o = nn.Linear(cfg.n_head * hd, d, bias=cfg.o_bias)
         self.rotary = Rotary(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = x.shape  # the heads come from the widths held: n_head / tp and n_kv_head / tp under TP
         q, k, v = (z(x).view(b, t, -1, self.head_dim).transpose(1, 2) for z in (self.q, self.k, self.v))
-        q, k = self.rotary(q), self.rotary(k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        start = cache.length if cache is not None else 0
+        q, k = self.rotary(q, start), self.rotary(k, start)
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, enable_gqa=q.shape[1] != k.shape[1])
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -112,8 +115,8 @@ class Block(nn.Module):
         self.attn_norm, self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps), RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn, self.mlp = Attention(cfg), MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -160,15 +163,15 @@ class Llama(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.trunk(x)
+    def logits(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+        x = self.trunk(x, caches)
         return x if self.head is None else self.head(self.norm(x))
 
-    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+    def trunk(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
-        for block in self.blocks.values():
-            x = block(x)
+        for i, block in enumerate(self.blocks.values()):
+            x = block(x, caches[i] if caches else None)
         return x
 
     def num_params(self) -> int:
