@@ -219,11 +219,11 @@ def own_cluster(tmp_path_factory):
 def test_failing_nodes_are_drained_before_they_fail_and_a_noisy_one_is_not(own_cluster, data_dir, tmp_path):
     """Issue 21, two scenarios in one job. Rank 1 slows a little more each step from step 40 and would die at step
     170; later, from step 130, the node rank 1 is on then reports single-bit ECC errors at a rising rate (a drill:
-    synthetic readings) and would die at step 190 (measured: the drains come near steps 60-80 and 133). Rank 0 is noisy (up to 2x, every step) and healthy. The head
-    takes none (2 CPUs a worker): each worker on a node of its own, the pool worker too. Each failing node is drained
-    at a step boundary onto the warm worker, and the pool worker started anew waits for a node (the first drained
-    one, once its 5 s cool-down is over): no step redone, no recovery, every step once, and rank 0's node never
-    drained."""
+    synthetic readings) and would die at step 190 (measured: the drains come near steps 60-80 and 133). Rank 0 is
+    noisy (up to 2x, every step) and healthy. The head takes none (2 CPUs a worker): each worker on a node of its
+    own, the pool worker too. Each failing node is drained at a step boundary onto the warm worker, and the pool
+    worker started anew waits for a node (the first drained one, once its 5 s cool-down is over): no step redone,
+    no recovery, every step once, and rank 0's node never drained."""
     faults = (
         "faults=[{kind: noisy, rank: 0, step: 1, factor: 2},"
         " {kind: degrade, rank: 1, step: 40, factor: 1.25, until: 170},"
