@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from app.cli import main
 from app.core.config import ConfigError, ModelConfig
@@ -53,7 +54,6 @@ def test_a_prompt_that_does_not_fit_is_refused():
 
 
 def test_a_hugging_face_llama_generates_what_transformers_generates(rng, tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
     texts = ["the cat sat on the mat and the dog sat on the log. " * 4] * 10
     tok = tokenizer.train_bpe(iter(texts), 300)
     config = transformers.LlamaConfig(

@@ -9,12 +9,11 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from app.core import checkpoint, hf
 from app.core.config import ConfigError
 from app.core.model import make_model
-
-transformers = pytest.importorskip("transformers")  # a dev dependency: installed by `make` for the tests
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from app.cli import main
 from app.core import checkpoint
@@ -15,7 +16,6 @@ from app.core.lora import merged_state
 
 from runs import FAST, records
 
-transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
