@@ -78,7 +78,7 @@ def _data_tokenizer(cfg: Config):
 
 
 def _bytes():
-    return (lambda text: list(tokenizer.encode(text)), tokenizer.decode, tokenizer.EOT)
+    return (lambda text: [int(t) for t in tokenizer.encode(text)], tokenizer.decode, tokenizer.EOT)
 
 
 def _file_tokenizer(directory: Path, missing: str):
@@ -110,7 +110,7 @@ def generate(
     context = model.cfg.seq_len
     if not prompt or len(prompt) >= context:
         raise ConfigError(f"the prompt is {len(prompt)} tokens: it needs 1 to {context - 1} (model.seq_len={context})")
-    logits = model.logits(torch.tensor([prompt], device=device), caches)[0, -1]
+    logits = model.logits(torch.tensor([prompt], dtype=torch.long, device=device), caches)[0, -1]
     out: list[int] = []
     while len(out) < max_new_tokens:
         token = _draw(logits.float(), temperature, top_p, generator)

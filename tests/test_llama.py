@@ -133,3 +133,58 @@ def test_a_hugging_face_directory_is_a_fine_tuning_base(rng, tmp_path):
     theirs.save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="not the checkpoint this run was made from"):
         check_base(cfg)
+
+
+def test_the_family_keys_are_checked_and_a_gpt_runs_identity_is_unchanged():
+    from app.core.config import load_config
+
+    gpt = load_config("tiny", [])
+    body = gpt.model_dump()
+    for key in ("family", "n_kv_head", "ffn_dim", "head_dim", "rope_theta", "rope_scaling", "norm_eps"):
+        body["model"].pop(key)
+    for key in ("qkv_bias", "o_bias", "mlp_bias"):
+        body["model"].pop(key)
+    assert load_config(body).hash() == gpt.hash()  # a run made before the family keys resumes
+    with pytest.raises(ValueError, match=r"model.n_kv_head, model.qkv_bias apply to model.family=llama only"):
+        load_config("tiny", ["model.n_kv_head=2", "model.qkv_bias=true"])
+    with pytest.raises(ValueError, match=r"model.n_kv_head=3 must divide model.n_head=4"):
+        load_config("tiny", ["model.family=llama", "model.n_kv_head=3"])
+    with pytest.raises(ValueError, match=r"parallel.tp=2 must divide model.n_head=4 and its key/value heads \(1\)"):
+        load_config("tiny", ["model.family=llama", "model.n_kv_head=1", "parallel.tp=2", "cluster.num_workers=2"])
+    with pytest.raises(ValueError, match="model.family=llama has rotary positions and no dropout"):
+        load_config("tiny", ["model.family=llama", "model.positions=learned"])
+    llama = load_config("tiny", ["model.family=llama", "model.n_kv_head=2", "model.qkv_bias=true"])
+    assert llama.finetune.lora.targets == ["attn.q", "attn.k", "attn.v", "attn.o"]
+    assert llama.model.param_count() == make_model(llama.model).num_params()
+
+
+def test_export_writes_a_llama_run_for_transformers_and_refuses_a_gpt_one(rng, tmp_path, capsys):
+    """`etrain export --format hf` on a run's newest checkpoint (a run directory written here: config.yaml and a
+    committed checkpoint), and `etrain generate` on the same run with its data's tokenizer (bytes)."""
+    from app.cli import main
+    from app.core.config import load_config
+
+    for family in ("gpt", "llama"):
+        extra = ["model.n_kv_head=2", f"model.tie_weights={rng.random() < 0.5}"] if family == "llama" else []
+        cfg = load_config("tiny", [f"model.family={family}", *extra])
+        run = tmp_path / family
+        run.mkdir()
+        (run / "config.yaml").write_text(cfg.to_yaml())
+        torch.manual_seed(rng.randrange(2**31))
+        model = make_model(cfg.model).eval()
+        meta = {"config_hash": cfg.hash(), "cursor": 0}
+        checkpoint.save(str(run / "checkpoints"), 4, {"model.pt": model.state_dict()}, meta, keep=1)
+        out = tmp_path / f"{family}-hf"
+        if family == "gpt":
+            assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 2  # no such architecture
+            assert not out.exists()
+            continue
+        assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            torch.testing.assert_close(theirs(tokens).logits, model.logits(tokens))
+        capsys.readouterr()
+        assert main(["generate", str(run), "--prompt", "def main", "--max-new-tokens", "8"]) == 0
+        said = capsys.readouterr()
+        assert said.out.startswith("def main") and f"model: file://{run}/checkpoints/step-00000004" in said.err
