@@ -47,7 +47,15 @@ def export(run_dir: Path, out: Path, merge: bool, format: str = "run") -> dict:
         from app.core import hf
 
         hf.write(state, cfg.model, out)
-        return {"out": str(out), "format": "hf", "step": step, "merged": cfg.finetune.lora_on, "tensors": len(state)}
+        copied = _copy_tokenizer(cfg, out)
+        return {
+            "out": str(out),
+            "format": "hf",
+            "step": step,
+            "merged": cfg.finetune.lora_on,
+            "tensors": len(state),
+            "tokenizer": copied,
+        }
     # a plain model's config: no base, its checkpoints beside it
     cleared = ("finetune.base", "finetune.base_digest", "ppo.reward", "checkpoint.uri")
     plain = override(cfg, {**dict.fromkeys(cleared), "faults": []})
@@ -56,3 +64,21 @@ def export(run_dir: Path, out: Path, merge: bool, format: str = "run") -> dict:
     meta = {"config_hash": plain.hash(), "cursor": 0, "exported_from": str(run_dir), "merged": cfg.finetune.lora_on}
     path = checkpoint.save(str(out / "checkpoints"), step, {"model.pt": state}, meta, keep=1)
     return {"out": str(out), "checkpoint": path, "step": step, "merged": cfg.finetune.lora_on, "tensors": len(state)}
+
+
+def _copy_tokenizer(cfg, out: Path) -> str | None:
+    """The tokenizer the run's data was prepared with, beside the weights (what `transformers` and `etrain generate`
+    decode with); None for bytes, which no tokenizer file describes."""
+    import posixpath
+
+    import fsspec
+
+    from pipelines.shards import read_manifest
+    from pipelines.tokenizer import FILE
+
+    if cfg.data.source == "embedded" or not isinstance(read_manifest(cfg.data.source).get("tokenizer"), dict):
+        return None
+    source = posixpath.join(posixpath.dirname(cfg.data.source), FILE)
+    with fsspec.open(source, "rb") as f:
+        (out / FILE).write_bytes(f.read())
+    return source
