@@ -124,6 +124,9 @@ def test_a_hugging_face_directory_is_a_fine_tuning_base(rng, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(build_model(cfg).eval().logits(tokens), theirs(tokens).logits)
 
+    lora = finetune_config(str(tmp_path), "tiny", ["model.seq_len=32"])  # LoRA: on the family's projections
+    assert lora.finetune.lora.targets == ["attn.q", "attn.k", "attn.v", "attn.o"]
+    check_base(lora)
     with pytest.raises(ConfigError, match=r"model.seq_len=128 \(the base's: 64\)"):
         finetune_config(str(tmp_path), "tiny", ["model.seq_len=128"])
     with pytest.raises(ConfigError, match=r"model.n_layer=3 \(the base's: 2\)"):

@@ -15,7 +15,16 @@ import yaml
 from torch import nn
 
 from app.core import checkpoint
-from app.core.config import Config, ConfigError, FinetuneConfig, ModelConfig, load_config, override, validate
+from app.core.config import (
+    Config,
+    ConfigError,
+    FinetuneConfig,
+    LoraConfig,
+    ModelConfig,
+    load_config,
+    override,
+    validate,
+)
 from app.core.lora import adapters, add_adapters, is_adapter, trainable
 from app.core.model import GPT, make_model
 from app.core.storage import STORAGE_ERRORS, describe
@@ -217,6 +226,9 @@ def finetune_config(source: str, config: str | None, overrides: list[str]) -> Co
         start = raw
     if base_model is not None:  # a Hugging Face directory: its model, trained on sequences of model.seq_len
         start = load_config(start).model_dump() | {"model": base_model.model_dump()}
+        lora = start["finetune"]["lora"]
+        if lora["targets"] == LoraConfig.model_fields["targets"].default:  # the GPT's: the family's instead
+            del lora["targets"]
     cfg = load_config(start, overrides)
     theirs = (base_cfg.model if base_cfg is not None else base_model or cfg.model).model_dump()
     ours = cfg.model.model_dump()
