@@ -169,7 +169,14 @@ def test_a_tokenizer_is_learned_or_given_kept_with_the_shards_and_named_to_a_mod
     rows = ShardReader(str(learned / "manifest.json"), "train")
     stream = np.concatenate([rows.get(np.arange(len(rows)))[:, :-1].ravel()])
     assert stream.max() < 400 and (stream == kept.eos).any() and stream.max() > 255  # merges, ends of documents
-    assert any(w in kept.decode(stream[:200]) for w in ("the", "and", "of"))  # text comes back
+    # every whole document in the stream (between two ends) is the tokenizer's encoding of a source document
+    texts = [p.read_text(errors="ignore") for p in (sources / "docs").glob("*.txt")]
+    texts += [json.loads(line).get("body", "") for line in (sources / "more.jsonl").read_text().splitlines()[:5]]
+    texts += pq.read_table(sources / "table.parquet")["content"].to_pylist()
+    corpus = ["".join(t.split()) for t in texts]
+    ends = np.flatnonzero(stream == kept.eos)
+    pieces = [stream[a + 1 : b] for a, b in zip(ends, ends[1:]) if b > a + 1]
+    assert pieces and all("".join(kept.decode(p).split()) in corpus for p in pieces)
 
     given = tmp_path / "given"
     assert run_prepare(sources, str(given), "--set", f"prepare.tokenizer={learned / 'tokenizer.json'}") == 0
