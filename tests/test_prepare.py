@@ -167,15 +167,23 @@ def test_a_tokenizer_is_learned_or_given_kept_with_the_shards_and_named_to_a_mod
     assert manifest["token_dtype"] == "uint16" and manifest["vocab_size"] == 400 == kept.vocab_size
     assert manifest["tokenizer"] == {"file": "tokenizer.json", "sha256": kept.sha256, "eos": 0, "vocab_size": 400}
     rows = ShardReader(str(learned / "manifest.json"), "train")
-    stream = np.concatenate([rows.get(np.arange(len(rows)))[:, :-1].ravel()])
+    streams, start = {}, 0  # each logical shard's rows, in order: its documents' tokens, cut
+    for entry in manifest["splits"]["train"]["shards"]:
+        ids = np.arange(start, start + entry["samples"])
+        streams.setdefault(entry["logical"], []).append(rows.get(ids).ravel())
+        start += entry["samples"]
+    stream = np.concatenate([t for parts in streams.values() for t in parts])
     assert stream.max() < 400 and (stream == kept.eos).any() and stream.max() > 255  # merges, ends of documents
     # every whole document in the stream (between two ends) is the tokenizer's encoding of a source document
     texts = [p.read_text(errors="ignore") for p in (sources / "docs").glob("*.txt")]
     texts += [json.loads(line).get("body", "") for line in (sources / "more.jsonl").read_text().splitlines()[:5]]
     texts += pq.read_table(sources / "table.parquet")["content"].to_pylist()
     corpus = ["".join(t.split()) for t in texts]
-    ends = np.flatnonzero(stream == kept.eos)
-    pieces = [stream[a + 1 : b] for a, b in zip(ends, ends[1:]) if b > a + 1]
+    pieces = []
+    for parts in streams.values():
+        tokens = np.concatenate(parts)
+        ends = np.flatnonzero(tokens == kept.eos)
+        pieces += [tokens[a + 1 : b] for a, b in zip(ends, ends[1:]) if b > a + 1]
     assert pieces and all("".join(kept.decode(p).split()) in corpus for p in pieces)
 
     given = tmp_path / "given"
