@@ -191,8 +191,10 @@ def test_a_tokenizer_is_learned_or_given_kept_with_the_shards_and_named_to_a_mod
     again = json.loads((given / "manifest.json").read_text())
     assert again["splits"] == manifest["splits"] and again["tokenizer"] == manifest["tokenizer"]
 
-    small = make_cfg(f"data.source={learned / 'manifest.json'}", "train.steps=2")
+    small = make_cfg(f"data.source={learned / 'manifest.json'}", "train.steps=2", "run.name=small")
     with pytest.raises(ConfigError, match=r"tokenized with its tokenizer tokenizer.json .* into 400 token ids, but "):
         train(small, new_run_dir(small), progress=False)
-    fits = make_cfg(f"data.source={learned / 'manifest.json'}", "train.steps=4", "model.vocab_size=400")
+    fits = make_cfg(
+        f"data.source={learned / 'manifest.json'}", "train.steps=4", "model.vocab_size=400", "run.name=fits"
+    )
     assert train(fits, new_run_dir(fits), progress=False)["steps"] == 4

@@ -995,11 +995,16 @@ class Config(Section):
 
 def load_config(config: str | dict | None = None, overrides: list[str] = ()) -> Config:
     """Preset name, YAML file or a config's raw dict, then `a.b=value` overrides, then validation."""
-    raw = copy.deepcopy(config) if isinstance(config, dict) else _read_yaml(resolve_preset(config)) if config else {}
+    raw = raw_config(config)
     for item in overrides:
         key, value = _parse_override(item)
         _set_path(raw, key, value)
     return validate(raw)
+
+
+def raw_config(config: str | dict | None) -> dict:
+    """A preset's, a YAML file's or a raw dict's keys as given (a copy), before defaults and validation."""
+    return copy.deepcopy(config) if isinstance(config, dict) else _read_yaml(resolve_preset(config)) if config else {}
 
 
 def override(cfg: Config, values: dict[str, Any]) -> Config:

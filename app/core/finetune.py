@@ -19,10 +19,10 @@ from app.core.config import (
     Config,
     ConfigError,
     FinetuneConfig,
-    LoraConfig,
     ModelConfig,
     load_config,
     override,
+    raw_config,
     validate,
 )
 from app.core.lora import adapters, add_adapters, is_adapter, trainable
@@ -225,10 +225,7 @@ def finetune_config(source: str, config: str | None, overrides: list[str]) -> Co
         raw["run"]["name"] = raw["checkpoint"]["uri"] = None
         start = raw
     if base_model is not None:  # a Hugging Face directory: its model, trained on sequences of model.seq_len
-        start = load_config(start).model_dump() | {"model": base_model.model_dump()}
-        lora = start["finetune"]["lora"]
-        if lora["targets"] == LoraConfig.model_fields["targets"].default:  # the GPT's: the family's instead
-            del lora["targets"]
+        start = raw_config(start) | {"model": base_model.model_dump()}
     cfg = load_config(start, overrides)
     theirs = (base_cfg.model if base_cfg is not None else base_model or cfg.model).model_dump()
     ours = cfg.model.model_dump()
