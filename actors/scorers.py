@@ -10,7 +10,7 @@ import torch
 
 from app.core.config import Config
 from app.core.finetune import load_base
-from app.core.model import GPT
+from app.core.model import make_model
 from app.core.ppo import token_logprobs
 from app.core.rewards import load, score_all
 
@@ -21,7 +21,7 @@ class Reference:
     def __init__(self, cfg_dict: dict):
         cfg = Config.model_validate(cfg_dict)
         torch.set_num_threads(1)
-        self.model = GPT(cfg.model).eval()
+        self.model = make_model(cfg.model).eval()
         load_base(self.model, cfg.finetune)
 
     @torch.no_grad()

@@ -78,7 +78,15 @@ def cmd_train(args, started_at: float) -> int:
     if args.resume and args.config:
         raise ConfigError("--resume takes the run's own config.yaml; drop --config (use --set for resumable keys)")
     if args.resume:
+        if args.init_from:
+            raise ConfigError("--resume continues a run from its own checkpoint; drop --init-from")
         return _resume(args, started_at)
+    if args.init_from:  # continued pre-training: every weight trains, from the directory's
+        from app.core.finetune import finetune_config
+
+        cfg = finetune_config(args.init_from, args.config, ["finetune.method=full", *args.set])
+        print(f"base: {cfg.finetune.base}", file=sys.stderr)
+        return _train(args, cfg, None, started_at)
     return _train(args, load_config(args.config, args.set), None, started_at)
 
 
@@ -177,6 +185,14 @@ def cmd_prepare(args, started_at: float) -> int:
     cfg = load_config(args.config, [*sugar, *args.set])
     storage = dict(_parse_option(o) for o in args.storage_option)
     open_output(args.out, storage)  # a wrong option or an unreachable endpoint, named before Ray starts
+    if isinstance(cfg.prepare.tokenizer, str) and cfg.prepare.tokenizer != "bytes":  # and a tokenizer that is not
+        from app.core.config import ConfigError
+        from pipelines.tokenizer import read_file
+
+        try:
+            read_file(cfg.prepare.tokenizer)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     connect(cfg)
     report = prepare(args.src, args.out, cfg, overwrite=args.overwrite, storage=storage, progress=not args.no_progress)
     print(json.dumps(report, indent=1))
@@ -429,8 +445,26 @@ def cmd_tune(args, started_at: float) -> int:
 def cmd_export(args, started_at: float) -> int:
     from app.export import export
 
-    written = export(Path(args.run).expanduser().resolve(), Path(args.out).expanduser().resolve(), args.merge)
+    run, out = Path(args.run).expanduser().resolve(), Path(args.out).expanduser().resolve()
+    written = export(run, out, args.merge, args.format)
     print(json.dumps(written, indent=1))
+    return 0
+
+
+def cmd_generate(args, started_at: float) -> int:
+    import torch
+
+    from app.core.config import ConfigError
+    from app.generate import generate, load
+
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:
+        raise ConfigError("--temperature must be >= 0, --top-p in (0, 1], --max-new-tokens >= 1")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    loaded = load(args.source, device)
+    print(f"model: {loaded.source}", file=sys.stderr)
+    prompt = loaded.encode(args.prompt)
+    tokens = generate(loaded.model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, loaded.eos)
+    print(args.prompt + loaded.decode(tokens))
     return 0
 
 
@@ -539,9 +573,16 @@ def _parser() -> argparse.ArgumentParser:
         "train a model (a new run, or --resume RUN_DIR)",
         "etrain train --config tiny --set train.steps=500",
         "etrain train --resume runs/20261129-123456 --set train.steps=800",
+        "etrain train --init-from models/Llama-3.2-1B --config small --set model.seq_len=1024",
     )
     with_config(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest committed checkpoint")
+    p.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="start from these weights, every one trained (continued pre-training): a Hugging Face model "
+        "directory (its model section), a run or a checkpoint",
+    )
     with_progress(p)
 
     p = command(
@@ -578,10 +619,33 @@ def _parser() -> argparse.ArgumentParser:
         cmd_export,
         "write a run's trained weights as a plain model (a LoRA run's adapters merged into its base)",
         "etrain export runs/lora --merge --out models/lora-merged",
+        "etrain export runs/llama --format hf --out models/llama-hf",
     )
     p.add_argument("run", metavar="RUN_DIR", help="the run whose latest committed checkpoint is exported")
     p.add_argument("--out", required=True, help="a new or empty directory: config.yaml and checkpoints/")
     p.add_argument("--merge", action="store_true", help="fold a LoRA run's adapters into its base's weights")
+    p.add_argument(
+        "--format",
+        choices=("run", "hf"),
+        default="run",
+        help="run: config.yaml and checkpoints/ (etrain finetune --from takes it); hf: a Hugging Face directory "
+        "(config.json, sharded safetensors and their index) of a model.family=llama run",
+    )
+
+    p = command(
+        "generate",
+        cmd_generate,
+        "continue a prompt with a trained model: a run, a checkpoint or a Hugging Face directory (KV cache)",
+        'etrain generate runs/tiny --prompt "def main():" --max-new-tokens 64',
+        'etrain generate models/llama-hf --prompt "Once upon a time" --temperature 0.8 --top-p 0.95 --seed 1',
+    )
+    p.add_argument("source", metavar="RUN_OR_DIR", help="a run directory, a checkpoint, or a Hugging Face directory")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: the likeliest token each time (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="draw within the tokens holding this much probability")
+    p.add_argument("--seed", type=int, default=0, help="the draws' seed (default: 0)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda where there is one")
 
     p = command(
         "prepare",

@@ -78,9 +78,12 @@ def check_data(cfg: Config) -> None:
             f"model.seq_len={cfg.model.seq_len}; set model.seq_len={manifest['seq_len']}"
         )
     if manifest["vocab_size"] > cfg.model.vocab_size:
+        tok = manifest.get("tokenizer")
+        named = f"its tokenizer {tok['file']} (sha256 {tok['sha256'][:12]})" if isinstance(tok, dict) else "bytes"
         raise ConfigError(
-            f"data {cfg.data.source} uses {manifest['vocab_size']} token ids, but "
-            f"model.vocab_size={cfg.model.vocab_size}"
+            f"data {cfg.data.source} was tokenized with {named} into {manifest['vocab_size']} token ids, but "
+            f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size={manifest['vocab_size']} (or more: a "
+            "padded vocabulary), or prepare the data with the model's own tokenizer"
         )
 
 

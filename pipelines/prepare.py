@@ -12,6 +12,7 @@ by id (input file order, then row) wherever order matters.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import posixpath
@@ -97,19 +98,45 @@ def prepare(
             {"doc_id": -1, "path": p, "row": 0, "reason": "unreadable", "detail": why} for p, why in missing
         ]
         next_stage(3, rejected=len(rejected))
+        tok = _tokenizer(cfg.prepare.tokenizer, final)
         staging = _staging(out, fs, root)
+        text = tok.text if tok else None
         packed = (
             final.map(partial(assign, cfg=cfg))
             .groupby("group", num_partitions=parts)
-            .map_groups(partial(pack, out=staging, cfg=cfg, storage=storage), batch_format="pandas")
+            .map_groups(
+                partial(pack, out=staging, cfg=cfg, storage=storage, tokenizer_text=text), batch_format="pandas"
+            )
             .take_all()
         )
         next_stage(4, shards=sum(len(json.loads(r["entries"])) for r in packed))
         report = _finish(
-            out, staging, fs, root, cfg, packed, rejected, read=docs.count() + len(missing), storage=storage
+            out, staging, fs, root, cfg, packed, rejected, read=docs.count() + len(missing), storage=storage, tok=tok
         )
         stages.update()
     return report
+
+
+def _tokenizer(spec, kept) -> tokenizer.TokenizerFile | None:
+    """prepare.tokenizer: None for bytes; a tokenizer file read; or a BPE learned from the kept documents' text
+    (up to its sample_bytes, in document order)."""
+    if spec == tokenizer.BYTES:
+        return None
+    if isinstance(spec, str):
+        try:
+            return tokenizer.read_file(spec)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def sample():
+        taken = 0
+        for row in kept.sort("doc_id").iter_rows():
+            if taken >= spec.sample_bytes:
+                return
+            taken += len(row["text"])
+            yield row["text"]
+
+    return tokenizer.train_bpe(sample(), spec.vocab_size)
 
 
 def open_output(out: str, storage: dict):
@@ -286,14 +313,19 @@ def assign(doc: dict, cfg: Config) -> dict:
     }
 
 
-def pack(group, out: str, cfg: Config, storage: dict):
-    """One logical shard: documents in id order, EOT-separated, cut into seq_len + 1 rows."""
+def pack(group, out: str, cfg: Config, storage: dict, tokenizer_text: str | None = None):
+    """One logical shard: documents in id order, each ended by its end-of-document token (EOT with bytes, the
+    tokenizer's EOS), cut into seq_len + 1 rows."""
     group = group.sort_values("doc_id")
     split, logical = group["group"].iloc[0].split("/")
-    docs = [np.append(tokenizer.encode(t), np.uint8(tokenizer.EOT)) for t in group["text"]]
+    if tokenizer_text is None:
+        docs, dtype = [np.append(tokenizer.encode(t), np.uint8(tokenizer.EOT)) for t in group["text"]], "uint8"
+    else:
+        tok = _file_tokenizer(tokenizer_text)
+        docs, dtype = [tok.encode_document(t) for t in group["text"]], tok.dtype
     row_len = cfg.model.seq_len + 1
     rows, sources = pack_rows(docs, list(group["name"]), row_len)
-    writer = SplitWriter(out, f"{split}-{logical}", row_len, "uint8", cfg.data.shard_bytes, storage)
+    writer = SplitWriter(out, f"{split}-{logical}", row_len, dtype, cfg.data.shard_bytes, storage)
     writer.add(rows, sources)
     writer.flush()
     entries = [{**s, "logical": logical} for s in writer.shards]
@@ -306,6 +338,12 @@ def pack(group, out: str, cfg: Config, storage: dict):
     }
 
 
+@functools.cache
+def _file_tokenizer(text: str) -> tokenizer.TokenizerFile:
+    """Parsed once per process (a Ray Data worker packs many groups)."""
+    return tokenizer.TokenizerFile(text)
+
+
 def _staging(out: str, fs, root: str) -> str:
     """Local output is built beside its target and renamed in; object storage is written in place, manifest last."""
     if "://" in out:
@@ -314,7 +352,7 @@ def _staging(out: str, fs, root: str) -> str:
 
 
 def _finish(
-    out, staging, fs, root, cfg: Config, packed: list[dict], rejected: list[dict], read: int, storage: dict
+    out, staging, fs, root, cfg: Config, packed: list[dict], rejected: list[dict], read: int, storage: dict, tok=None
 ) -> dict:
     splits: dict[str, list[dict]] = {"train": [], "eval": []}
     for row in packed:
@@ -343,12 +381,14 @@ def _finish(
     sfs.makedirs(sroot, exist_ok=True)
     sfs.pipe_file(posixpath.join(sroot, "quarantine.jsonl"), "".join(json.dumps(r) + "\n" for r in rejected).encode())
     sfs.pipe_file(posixpath.join(sroot, "report.json"), json.dumps(report, indent=1).encode())
+    if tok is not None:  # kept with the shards: what a run's samples decode with
+        sfs.pipe_file(posixpath.join(sroot, tokenizer.FILE), tok.text.encode())
     write_manifest(
         staging,
         seq_len=cfg.model.seq_len,
-        dtype="uint8",
-        vocab_size=tokenizer.VOCAB_SIZE,
-        tokenizer="bytes",
+        dtype=tok.dtype if tok else "uint8",
+        vocab_size=tok.vocab_size if tok else tokenizer.VOCAB_SIZE,
+        tokenizer=tok.manifest() if tok else tokenizer.BYTES,
         splits=splits,
         source={"kind": "prepare", "prepare": cfg.prepare.model_dump(), "report": "report.json"},
         storage=storage,

@@ -1,15 +1,26 @@
-"""Byte-level tokenizer: no vocabulary file, no download, every byte is a token.
+"""Tokenizers: bytes (the embedded demo's default: no vocabulary file, every byte a token), a Hugging Face
+`tokenizer.json` (the `tokenizers` library), or a byte-level BPE trained on the corpus and kept with its shards.
 
-Token 0 (NUL, which normalised text never contains) separates documents, so
-tokens fit in uint8 and a shard stores one byte per token.
+With bytes, token 0 (NUL, which normalised text never contains) separates documents, so tokens fit in uint8 and a
+shard stores one byte per token. A tokenizer file's documents start and end as the file defines: its
+post-processor's BOS, then its EOS (tokenizer_config.json's eos_token when one is beside it), and shards store
+uint16 or uint32 tokens as its vocabulary needs.
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 
 EOT = 0
 VOCAB_SIZE = 256
+BYTES = "bytes"
+FILE = "tokenizer.json"  # the name a tokenizer is kept under beside the shards
+EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>")  # by convention, when nothing says
 
 
 def encode(text: str) -> np.ndarray:
@@ -19,3 +30,76 @@ def encode(text: str) -> np.ndarray:
 
 def decode(tokens) -> str:
     return bytes(int(t) for t in tokens if t != EOT).decode("utf-8", errors="replace")
+
+
+class TokenizerFile:
+    """A Hugging Face tokenizer (its JSON text): what prepare packs with and a run decodes with."""
+
+    def __init__(self, text: str, eos_name: str | None = None):
+        from tokenizers import Tokenizer  # only where a tokenizer file is used
+
+        self.text = text
+        self.tokenizer = Tokenizer.from_str(text)
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.dtype = "uint16" if self.vocab_size <= 2**16 else "uint32"
+        self.eos = self._eos(eos_name)
+        self.sha256 = hashlib.sha256(text.encode()).hexdigest()
+
+    def _eos(self, name: str | None) -> int:
+        for candidate in [name] if name else EOS_NAMES:
+            if (token := self.tokenizer.token_to_id(candidate)) is not None:
+                return token
+        if name:
+            raise ValueError(f"the tokenizer has no token {name} (tokenizer_config.json's eos_token)")
+        raise ValueError(
+            f"the tokenizer names no end-of-document token (none of {', '.join(EOS_NAMES)}, and no "
+            "tokenizer_config.json with eos_token beside it)"
+        )
+
+    def encode_document(self, text: str) -> np.ndarray:
+        """A document's tokens: the tokenizer's own specials (a BOS its post-processor adds), then EOS."""
+        ids = self.tokenizer.encode(text, add_special_tokens=True).ids
+        return np.array([*ids, self.eos], dtype=self.dtype)
+
+    def decode(self, tokens) -> str:
+        return self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True)
+
+    def manifest(self) -> dict:
+        return {"file": FILE, "sha256": self.sha256, "eos": self.eos, "vocab_size": self.vocab_size}
+
+
+def read_file(path: str | Path) -> TokenizerFile:
+    """`tokenizer.json`, or a directory holding one (and perhaps tokenizer_config.json, which names its EOS);
+    ValueError naming what is missing or wrong."""
+    path = Path(path).expanduser()
+    file = path / FILE if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"prepare.tokenizer {path}: no {FILE} there (give the file, or a directory holding it)")
+    named = None
+    config = file.with_name("tokenizer_config.json")
+    if config.is_file():
+        named = json.loads(config.read_text()).get("eos_token")
+        named = named.get("content") if isinstance(named, dict) else named
+    try:
+        return TokenizerFile(file.read_text(), named)
+    except ValueError as e:
+        raise ValueError(f"prepare.tokenizer {file}: {e}") from None
+    except Exception as e:  # the library's own parse error: say which file
+        raise ValueError(f"prepare.tokenizer {file} is not a tokenizer file `tokenizers` reads: {e}") from None
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> TokenizerFile:
+    """A byte-level BPE of `vocab_size` tokens learned from `texts`, <|endoftext|> (id 0) its end of document."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return TokenizerFile(tokenizer.to_str())

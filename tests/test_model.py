@@ -3,7 +3,7 @@ import torch
 
 from app.cli import main
 from app.core.config import load_config
-from app.core.model import GPT
+from app.core.model import GPT, make_model
 
 
 @pytest.mark.parametrize("positions", ["rotary", "learned"])
@@ -97,3 +97,16 @@ def test_a_checkpoint_with_the_older_fused_qkv_weight_loads_into_separate_projec
     fresh.load_state_dict(old)
     idx = torch.randint(0, cfg.vocab_size, (2, 16))
     assert torch.equal(fresh(idx)[0], model(idx)[0])
+
+
+def test_the_llama3_8b_preset_is_llama_3_8b_and_fits_sharded(capsys):
+    """Llama 3 8B's shape: 8,030,261,248 parameters (its published count), counted by arithmetic as the model holds
+    them; whole it fits no 80 GB rank with its AdamW state, sharded over 8 ranks it does."""
+    cfg = load_config("llama3-8b")
+    with torch.device("meta"):
+        assert make_model(cfg.model).num_params() == cfg.model.param_count() == 8_030_261_248
+    whole = load_config("llama3-8b", ["parallel.shard=1", "cluster.num_workers=2"])
+    assert sum(whole.rank_memory()[k] for k in ("weights", "gradients", "optimizer")) > 80e9
+    assert cfg.worker_memory() < 80e9
+    assert main(["config", "--config", "llama3-8b"]) == 0
+    assert "8,030,261,248 parameters" in capsys.readouterr().err

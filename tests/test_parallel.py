@@ -17,7 +17,7 @@ from app.core import sharded_checkpoint
 from app.core.config import ModelConfig, OptimConfig, ParallelConfig, load_config
 from app.core.layout_state import full_state, load_full, whole
 from app.core.local_ranks import local_group
-from app.core.model import GPT, InitialWeights
+from app.core.model import GPT, InitialWeights, make_model
 from app.core.optim import make_optimizer
 from app.core.parallel import Replica, make_mesh, stage_layers
 
@@ -33,9 +33,13 @@ def batches() -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def single() -> tuple[list[float], dict]:
+    return single_process(MODEL)
+
+
+def single_process(model_cfg: ModelConfig) -> tuple[list[float], dict]:
     """The whole model in this process: its per-step losses and its first step's clipped gradients."""
     torch.manual_seed(0)
-    model = GPT(MODEL)
+    model = make_model(model_cfg)
     optimizer = make_optimizer(model, OPTIM)
     losses, first = [], {}
     for rows in batches():
@@ -56,6 +60,7 @@ def train_rank(
     steps: range = range(STEPS),
     state: dict | str | None = None,
     save: bool | str = False,
+    model_cfg: ModelConfig = MODEL,
 ) -> tuple[list[float], dict, dict | None]:
     """Per-step losses, the first step's clipped gradients (whole tensors) and, with `save`, the whole state after
     the last step (on the replica's first rank), or with a directory every rank's tensors saved there with DCP, as
@@ -63,12 +68,12 @@ def train_rank(
     starts on the meta device."""
     cfg = ParallelConfig(**layout)
     with torch.device("meta"):  # as a worker does: the structure only, then its part made and given its values
-        model = GPT(MODEL)
+        model = make_model(model_cfg)
     replica = Replica(model, make_mesh(world, cfg, "cpu"), cfg, torch.device("cpu"))
     replica.model.materialize(torch.device("cpu"))
     optimizer = make_optimizer(replica.model, OPTIM)
     load_full(
-        replica, optimizer, state if isinstance(state, dict) else {"model": InitialWeights(MODEL, 0), "optim": {}}
+        replica, optimizer, state if isinstance(state, dict) else {"model": InitialWeights(model_cfg, 0), "optim": {}}
     )
     if isinstance(state, str):
         sharded_checkpoint.load(replica.model, optimizer, state, replica.tied)
@@ -113,6 +118,25 @@ def test_a_layout_follows_the_single_process_losses_and_gradients(single, replic
             torch.testing.assert_close(grad, expected_grads[twin], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {name}")
             held.add(twin)
     assert held == set(expected_grads)  # every tensor of the model is held by some rank
+
+
+LLAMA = ModelConfig(family="llama", n_layer=4, n_head=4, n_kv_head=2, d_model=32, seq_len=16, vocab_size=64)
+LLAMA_LAYOUTS = {"pp2": dict(pp=2, microbatches=4), "shard2": dict(shard=2), "tp2xshard2": dict(tp=2, shard=2)}
+
+
+def test_the_llama_family_follows_the_single_process_at_tp2_and_a_drawn_layout(rng):
+    """Llama's own tensor-parallel plan (q, k, v, gate, up by column; o, down by row; two key/value heads, one per
+    rank), then a layout drawn from a printed seed: the same losses and first gradients as one process."""
+    expected_losses, expected_grads = single_process(LLAMA)
+    drawn = rng.choice(sorted(LLAMA_LAYOUTS))
+    print("llama in tp2 and", drawn)
+    for layout in (dict(tp=2), LLAMA_LAYOUTS[drawn]):
+        results = local_group(ParallelConfig(**layout).ranks, train_rank, layout, range(STEPS), None, False, LLAMA)
+        for rank, (losses, grads, _) in results.items():
+            assert losses == pytest.approx(expected_losses, rel=1e-4), f"{layout} rank {rank}"
+            for name, grad in grads.items():
+                twin = "embed.weight" if name == "head.weight" else name
+                torch.testing.assert_close(grad, expected_grads[twin], rtol=1e-4, atol=1e-6, msg=f"{layout} {name}")
 
 
 TP2_PP2 = dict(tp=2, pp=2, microbatches=2)

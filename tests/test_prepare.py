@@ -8,12 +8,15 @@ import shutil
 from pathlib import Path
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from app.cli import main
+from app.core.config import ConfigError
 from app.job import new_run_dir, train
+from pipelines import tokenizer
 from pipelines.shards import ShardReader
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -149,3 +152,49 @@ def test_prepare_and_train_on_s3(sources, s3_bucket, make_cfg, tmp_path):
     cfg = make_cfg(f"data.source={out}/manifest.json", "train.steps=4", "train.global_batch=8", "checkpoint.every=2")
     summary = train(cfg, new_run_dir(cfg), progress=False)
     assert summary["steps"] == 4 and summary["final_loss"] < summary["first_loss"]
+
+
+def test_a_tokenizer_is_learned_or_given_kept_with_the_shards_and_named_to_a_model_that_does_not_fit(
+    sources, tmp_path, make_cfg
+):
+    """prepare.tokenizer: a BPE learned from the kept documents (uint16 shards, its file and sha256 in the manifest,
+    each document ended by its EOS); the same file given back packs the same shards; a model whose vocabulary is
+    smaller is refused naming the tokenizer, one that fits trains."""
+    learned = tmp_path / "learned"
+    assert run_prepare(sources, str(learned), "--set", "prepare.tokenizer={train: bpe, vocab_size: 400}") == 0
+    manifest = json.loads((learned / "manifest.json").read_text())
+    kept = tokenizer.read_file(learned)
+    assert manifest["token_dtype"] == "uint16" and manifest["vocab_size"] == 400 == kept.vocab_size
+    assert manifest["tokenizer"] == {"file": "tokenizer.json", "sha256": kept.sha256, "eos": 0, "vocab_size": 400}
+    rows = ShardReader(str(learned / "manifest.json"), "train")
+    streams, start = {}, 0  # each logical shard's rows, in order: its documents' tokens, cut
+    for entry in manifest["splits"]["train"]["shards"]:
+        ids = np.arange(start, start + entry["samples"])
+        streams.setdefault(entry["logical"], []).append(rows.get(ids).ravel())
+        start += entry["samples"]
+    stream = np.concatenate([t for parts in streams.values() for t in parts])
+    assert stream.max() < 400 and (stream == kept.eos).any() and stream.max() > 255  # merges, ends of documents
+    # every whole document in the stream (between two ends) is the tokenizer's encoding of a source document
+    texts = [p.read_text(errors="ignore") for p in (sources / "docs").glob("*.txt")]
+    texts += [json.loads(line).get("body", "") for line in (sources / "more.jsonl").read_text().splitlines()[:5]]
+    texts += pq.read_table(sources / "table.parquet")["content"].to_pylist()
+    corpus = ["".join(t.split()) for t in texts]
+    pieces = []
+    for parts in streams.values():
+        tokens = np.concatenate(parts)
+        ends = np.flatnonzero(tokens == kept.eos)
+        pieces += [tokens[a + 1 : b] for a, b in zip(ends, ends[1:]) if b > a + 1]
+    assert pieces and all("".join(kept.decode(p).split()) in corpus for p in pieces)
+
+    given = tmp_path / "given"
+    assert run_prepare(sources, str(given), "--set", f"prepare.tokenizer={learned / 'tokenizer.json'}") == 0
+    again = json.loads((given / "manifest.json").read_text())
+    assert again["splits"] == manifest["splits"] and again["tokenizer"] == manifest["tokenizer"]
+
+    small = make_cfg(f"data.source={learned / 'manifest.json'}", "train.steps=2", "run.name=small")
+    with pytest.raises(ConfigError, match=r"tokenized with its tokenizer tokenizer.json .* into 400 token ids, but "):
+        train(small, new_run_dir(small), progress=False)
+    fits = make_cfg(
+        f"data.source={learned / 'manifest.json'}", "train.steps=4", "model.vocab_size=400", "run.name=fits"
+    )
+    assert train(fits, new_run_dir(fits), progress=False)["steps"] == 4

@@ -20,9 +20,9 @@ from actors.worker.engine import Engine, snapshot
 from actors.worker.injection import Injected
 from app.core import sharded_checkpoint as dcp
 from app.core.checkpoint import DCP
-from app.core.finetune import base_files, base_weights
+from app.core.finetune import base_source
 from app.core.layout_state import load_full, load_local, local_state
-from app.core.model import GPT, InitialWeights
+from app.core.model import GPT, InitialWeights, make_model
 from app.core.optim import by_name, make_optimizer, make_scheduler, whole_groups
 from app.core.parallel import Replica, ReplicaBroken, make_mesh
 
@@ -39,7 +39,7 @@ class LaidOut(Engine):
     def build_model(self) -> GPT:
         """The model's structure only: each rank makes its part when it joins."""
         with torch.device("meta"):
-            return GPT(self.cfg.model)
+            return make_model(self.cfg.model)
 
     def warm_up(self) -> None:
         """Nothing to warm: the part exists only in a group."""
@@ -71,15 +71,14 @@ class LaidOut(Engine):
         return self.applied
 
     def _initial(self) -> None:
-        """Give the part the weights a fresh run starts from: made one tensor at a time, or a base's. Of a base a
-        layout wrote (DCP), this rank reads the slices it holds; a whole model's file is read whole and cut."""
+        """Give the part the weights a fresh run starts from: made one tensor at a time, or a base's (each rank
+        reading its slices of a layout's, the tensors of a Hugging Face directory one at a time)."""
         ft = self.cfg.finetune
-        files = base_files(ft) if ft.base is not None else None
-        if files is not None:
-            dcp.load_weights(self.replica.model, files)
-            return
-        weights = base_weights(ft) if ft.base is not None else InitialWeights(self.cfg.model, self.cfg.train.seed)
-        load_full(self.replica, self.optimizer, {"model": weights, "optim": {}})
+        source = base_source(ft) if ft.base is not None else InitialWeights(self.cfg.model, self.cfg.train.seed)
+        if isinstance(source, str):
+            dcp.load_weights(self.replica.model, source)
+        else:
+            load_full(self.replica, self.optimizer, {"model": source, "optim": {}})
 
     def leave(self, failed: bool) -> None:
         """Keep the part's state, not the part: its mesh goes with the group (after a sharded save in flight,

@@ -62,7 +62,24 @@ class Section(BaseModel):
         return value
 
 
+class RopeScaling(Section):
+    """Llama 3.1's rotary frequency scaling (Hugging Face's rope_type llama3)."""
+
+    factor: float = Field(8.0, gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_position_embeddings: int = Field(8192, ge=1)
+
+
+LLAMA_ONLY = (
+    "n_kv_head", "ffn_dim", "head_dim", "rope_theta", "rope_scaling", "norm_eps", "qkv_bias", "o_bias", "mlp_bias"
+)  # fmt: skip
+
+
 class ModelConfig(Section):
+    family: Literal["gpt", "llama"] = Field(
+        "gpt", description="gpt: app/core/model.py; llama: the Llama family (app/core/models/llama.py)"
+    )
     n_layer: int = Field(2, ge=1, description="transformer blocks")
     n_head: int = Field(4, ge=1, description="attention heads per block")
     d_model: int = Field(128, ge=8, description="residual width; must divide by n_head")
@@ -71,32 +88,85 @@ class ModelConfig(Section):
     positions: Literal["rotary", "learned"] = "rotary"
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     tie_weights: bool = Field(True, description="share input embedding and output head")
+    n_kv_head: int | None = Field(None, ge=1, description="llama: key/value heads (grouped-query); n_head if unset")
+    ffn_dim: int | None = Field(None, ge=1, description="llama: the SwiGLU MLP's width; 8/3 d_model (to 64) if unset")
+    head_dim: int | None = Field(None, ge=2, description="llama: width of a head; d_model / n_head if unset")
+    rope_theta: float | None = Field(None, gt=0, description="llama: rotary base frequency; 10000 if unset")
+    rope_scaling: RopeScaling | None = Field(None, description="llama: Llama 3.1's frequency scaling")
+    norm_eps: float | None = Field(None, gt=0, description="llama: RMSNorm's epsilon; 1e-5 if unset")
+    qkv_bias: bool = Field(False, description="llama: biases on q, k and v (Qwen2)")
+    o_bias: bool = Field(False, description="llama: a bias on the attention's output")
+    mlp_bias: bool = Field(False, description="llama: biases in the MLP")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.d_model // self.n_head
+
+    @property
+    def ffn_width(self) -> int:
+        """GPT's 4·d_model; Llama's given width, or 8/3·d_model rounded up to a multiple of 64."""
+        if self.family == "gpt":
+            return 4 * self.d_model
+        return self.ffn_dim or -(-8 * self.d_model // 3 // 64) * 64
 
     def param_count(self) -> int:
-        """Parameters of app.core.model.GPT with this config, by arithmetic (no torch): embeddings, 12·d² + 4·d per
-        block (attention 4·d², MLP 8·d², two LayerNorms), the final LayerNorm, the head unless tied."""
+        """Parameters of this config's model, by arithmetic (no torch): embeddings, the blocks (attention, MLP,
+        norms), the final norm, the head unless tied."""
         d = self.d_model
-        return (
-            self.vocab_size * d * (1 if self.tie_weights else 2)
-            + (self.seq_len * d if self.positions == "learned" else 0)
-            + self.n_layer * (12 * d * d + 4 * d)
-            + 2 * d
+        ends = self.vocab_size * d * (1 if self.tie_weights else 2) + (
+            self.seq_len * d if self.positions == "learned" else 0
         )
+        return ends + self.n_layer * self.block_params() + (2 * d if self.family == "gpt" else d)
+
+    def block_params(self, tp: int = 1) -> int:
+        """One block's parameters, of one of `tp` tensor-parallel ranks: its linear layers split, its norms whole."""
+        d = self.d_model
+        if self.family == "gpt":  # attention 4·d², MLP 8·d², two LayerNorms
+            return 12 * d * d // tp + 4 * d
+        q, kv, f = self.n_head * self.head_width, self.kv_heads * self.head_width, self.ffn_width
+        attention = d * (q + 2 * kv) + q * d + (q + 2 * kv) * self.qkv_bias
+        mlp = 3 * d * f + 2 * f * self.mlp_bias
+        return (attention + mlp) // tp + d * (self.o_bias + self.mlp_bias) + 2 * d
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """app.core.model.GPT's linear layers by name, each (in, out) features: what LoRA's targets name."""
-        d = self.d_model
-        block = {"attn.q": (d, d), "attn.k": (d, d), "attn.v": (d, d), "attn.proj": (d, d)}
-        block |= {"mlp.0": (d, 4 * d), "mlp.2": (4 * d, d)}
+        """The model's linear layers by name, each (in, out) features: what LoRA's targets name."""
+        d, f = self.d_model, self.ffn_width
+        if self.family == "gpt":
+            block = {"attn.q": (d, d), "attn.k": (d, d), "attn.v": (d, d), "attn.proj": (d, d)}
+            block |= {"mlp.0": (d, f), "mlp.2": (f, d)}
+        else:
+            q, kv = self.n_head * self.head_width, self.kv_heads * self.head_width
+            block = {"attn.q": (d, q), "attn.k": (d, kv), "attn.v": (d, kv), "attn.o": (q, d)}
+            block |= {"mlp.gate": (d, f), "mlp.up": (d, f), "mlp.down": (f, d)}
         shapes = {f"blocks.{i}.{name}": shape for i in range(self.n_layer) for name, shape in block.items()}
         return shapes | {"head": (d, self.vocab_size)}
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
-        if self.d_model % self.n_head:
-            raise ValueError(f"model.d_model={self.d_model} must be a multiple of model.n_head={self.n_head}")
-        if self.positions == "rotary" and (self.d_model // self.n_head) % 2:
-            raise ValueError("rotary positions need an even head width (d_model / n_head)")
+        if self.family == "gpt":
+            if used := [k for k in LLAMA_ONLY if getattr(self, k) not in (None, False)]:
+                raise ValueError(f"{', '.join('model.' + k for k in used)} apply to model.family=llama only")
+            if self.d_model % self.n_head:
+                raise ValueError(f"model.d_model={self.d_model} must be a multiple of model.n_head={self.n_head}")
+        else:
+            if self.positions != "rotary" or self.dropout:
+                raise ValueError(
+                    "model.family=llama has rotary positions and no dropout: leave out model.positions and "
+                    "model.dropout"
+                )
+            if self.n_head % self.kv_heads:
+                raise ValueError(f"model.n_kv_head={self.kv_heads} must divide model.n_head={self.n_head}")
+            if self.head_dim is None and self.d_model % self.n_head:
+                raise ValueError(
+                    f"model.d_model={self.d_model} must be a multiple of model.n_head={self.n_head}, or set "
+                    "model.head_dim"
+                )
+        if self.positions == "rotary" and self.head_width % 2:
+            raise ValueError("rotary positions need an even head width (d_model / n_head, or model.head_dim)")
         return self
 
 
@@ -189,8 +259,22 @@ class DataConfig(Section):
         return self
 
 
+class TrainedTokenizer(Section):
+    """A byte-level BPE learned by `etrain prepare` from the corpus it keeps (after the filters and dedup)."""
+
+    train: Literal["bpe"] = "bpe"
+    vocab_size: int = Field(ge=257, le=2**32, description="tokens, <|endoftext|> and the 256 bytes among them")
+    sample_bytes: int = Field(100_000_000, ge=1, description="the corpus text it learns from, at most")
+
+
 class PrepareConfig(Section):
     """`etrain prepare`: reading, quality filters and dedup. See pipelines/quality.py."""
+
+    tokenizer: str | TrainedTokenizer = Field(
+        "bytes",
+        description="bytes (every byte a token); a tokenizer.json or a directory holding one (a Hugging Face "
+        "model's); or {train: bpe, vocab_size: N} to learn one from the corpus. Kept with the shards",
+    )
 
     jsonl_field: str = Field("text", description="JSONL key holding a document's text")
     parquet_column: str = Field("text", description="Parquet column holding a document's text")
@@ -507,7 +591,8 @@ class LoraConfig(Section):
         ["attn.q", "attn.k", "attn.v", "attn.proj"],
         min_length=1,
         description="linear layers that get adapters, by name or its end: attn.q, attn.k, attn.v, attn.proj, mlp.0, "
-        "mlp.2 (in every block), blocks.0.attn.q (one), head",
+        "mlp.2 (in every block), blocks.0.attn.q (one), head; Llama's: attn.o, mlp.gate, mlp.up, mlp.down (its "
+        "default: attn.q, attn.k, attn.v, attn.o)",
     )
     also_train: list[str] = Field(
         [],
@@ -618,6 +703,19 @@ class Config(Section):
     health: HealthConfig = HealthConfig()
     run: RunConfig = RunConfig()
     faults: list[Fault] = Field([], description="injected failures (testing); see Fault")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _llama_lora_targets(cls, raw: Any) -> Any:
+        """LoRA's default targets are the attention's projections of the model's family: Llama's output projection
+        is attn.o, GPT's attn.proj."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict) or raw["model"].get("family") != "llama":
+            return raw
+        finetune = dict(raw.get("finetune") or {})
+        lora = dict(finetune.get("lora") or {})
+        if "targets" not in lora:
+            lora["targets"] = ["attn.q", "attn.k", "attn.v", "attn.o"]
+        return raw | {"finetune": finetune | {"lora": lora}}
 
     @model_validator(mode="before")
     @classmethod
@@ -787,9 +885,10 @@ class Config(Section):
         par, m = self.parallel, self.model
         if par.ranks == 1:
             return self
-        if m.n_head % par.tp:
+        if m.n_head % par.tp or m.kv_heads % par.tp:
             raise ValueError(
-                f"parallel.tp={par.tp} must divide model.n_head={m.n_head}: each tensor-parallel rank holds whole heads"
+                f"parallel.tp={par.tp} must divide model.n_head={m.n_head} and its key/value heads ({m.kv_heads}): "
+                "each tensor-parallel rank holds whole heads"
             )
         if m.n_layer < par.pp:
             raise ValueError(f"parallel.pp={par.pp} exceeds model.n_layer={m.n_layer}: every stage needs a block")
@@ -852,8 +951,8 @@ class Config(Section):
         m, par, b = self.model, self.parallel, self.train.micro_batch
         width = 2 if self.train.precision == "fp32" else 1
         d, s, layers = m.d_model, m.seq_len, math.ceil(m.n_layer / par.pp)
-        block = 12 * d * d // par.tp + 4 * d
-        params = (m.param_count() - m.n_layer * (12 * d * d + 4 * d)) + layers * block  # the ends whole: the fullest
+        block = m.block_params(par.tp)
+        params = (m.param_count() - m.n_layer * m.block_params()) + layers * block  # the ends whole: the fullest
         if self.finetune.lora_on:
             trained = self.lora_params()
             weights, gradients, optimizer = 4 * (params + trained), 4 * trained, 8 * trained
@@ -882,6 +981,9 @@ class Config(Section):
     def hash(self) -> str:
         """Identity of what is trained: everything but the RESUMABLE keys."""
         body = self.model_dump()
+        if self.model.family == "gpt":  # a GPT run's identity is what it was before the Llama family's keys came
+            for key in ("family", *LLAMA_ONLY):
+                body["model"].pop(key)
         for key in RESUMABLE:
             section, _, leaf = key.partition(".")
             body[section].pop(leaf) if leaf else body.pop(section)
@@ -893,11 +995,16 @@ class Config(Section):
 
 def load_config(config: str | dict | None = None, overrides: list[str] = ()) -> Config:
     """Preset name, YAML file or a config's raw dict, then `a.b=value` overrides, then validation."""
-    raw = copy.deepcopy(config) if isinstance(config, dict) else _read_yaml(resolve_preset(config)) if config else {}
+    raw = raw_config(config)
     for item in overrides:
         key, value = _parse_override(item)
         _set_path(raw, key, value)
     return validate(raw)
+
+
+def raw_config(config: str | dict | None) -> dict:
+    """A preset's, a YAML file's or a raw dict's keys as given (a copy), before defaults and validation."""
+    return copy.deepcopy(config) if isinstance(config, dict) else _read_yaml(resolve_preset(config)) if config else {}
 
 
 def override(cfg: Config, values: dict[str, Any]) -> Config:

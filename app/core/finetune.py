@@ -15,9 +15,18 @@ import yaml
 from torch import nn
 
 from app.core import checkpoint
-from app.core.config import Config, ConfigError, FinetuneConfig, load_config, override, validate
+from app.core.config import (
+    Config,
+    ConfigError,
+    FinetuneConfig,
+    ModelConfig,
+    load_config,
+    override,
+    raw_config,
+    validate,
+)
 from app.core.lora import adapters, add_adapters, is_adapter, trainable
-from app.core.model import GPT
+from app.core.model import GPT, make_model
 from app.core.storage import STORAGE_ERRORS, describe
 
 VALUE_HEAD = "value_head."  # a PPO run's, trained beside the language model
@@ -26,7 +35,7 @@ VALUE_HEAD = "value_head."  # a PPO run's, trained beside the language model
 def build_model(cfg: Config) -> GPT:
     """Weights as every worker must start them: the same seed, the same base, the same adapters' init."""
     torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model)
+    model = make_model(cfg.model)
     ft = cfg.finetune
     if ft.base is None:
         return model
@@ -43,12 +52,12 @@ def check_base(cfg: Config) -> None:
     and fits the run's model. A base a layout wrote is read one tensor at a time, never whole."""
     weights = _verified(cfg.finetune, whole=False)
     with torch.device("meta"):
-        expected = {n: t.shape for n, t in GPT(cfg.model).state_dict().items()}
+        expected = {n: t.shape for n, t in make_model(cfg.model).state_dict().items()}
     got = weights.shapes() if hasattr(weights, "shapes") else {n: t.shape for n, t in weights.items()}
     if cfg.finetune.method == "lora":  # targets that name no layer of this model
         with torch.device("meta"):
             try:
-                add_adapters(GPT(cfg.model), cfg.finetune.lora)
+                add_adapters(make_model(cfg.model), cfg.finetune.lora)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
     if got != expected:
@@ -66,25 +75,41 @@ def base_weights(ft: FinetuneConfig) -> dict[str, torch.Tensor]:
     return _verified(ft, whole=True)
 
 
-def base_files(ft: FinetuneConfig) -> str | None:
-    """The DCP directory of a base a layout wrote, whose slices each rank of a laid-out run reads (the driver
-    verified its files and digest at the job's start: check_base); None for a whole model's files."""
+def base_source(ft: FinetuneConfig) -> str | Mapping[str, torch.Tensor]:
+    """What a laid-out rank takes its part of the base from, never the whole model at once where the base allows:
+    a layout's DCP directory (the rank reads its slices of it), a Hugging Face directory's tensors (read one at a
+    time), else a whole model's file (read whole: a data-parallel run wrote it, holding the whole model). The
+    driver verified the files and the digest at the job's start (check_base)."""
+    from app.core import hf
+
+    if hf.is_model_dir(ft.base):
+        return hf.Weights(ft.base)
     try:
-        return checkpoint.dcp_dir(ft.base)
+        files = checkpoint.dcp_dir(ft.base)
     except checkpoint.CheckpointError as e:
         raise ConfigError(f"finetune.base: {e}") from None
     except STORAGE_ERRORS as e:
         raise ConfigError(f"finetune.base {ft.base} cannot be read: {describe(e)}") from None
+    return files if files is not None else base_weights(ft)
 
 
 def _verified(ft: FinetuneConfig, whole: bool) -> Mapping[str, torch.Tensor]:
+    from app.core import hf
+
+    if hf.is_model_dir(ft.base):  # a Hugging Face directory: its safetensors, a tensor at a time unless `whole`
+        weights = hf.read_weights(ft.base) if whole else hf.Weights(ft.base)
+        return _same(ft, weights)
     try:
         ckpt = checkpoint.load_at(ft.base)
     except checkpoint.CheckpointError as e:
         raise ConfigError(f"finetune.base: {e}") from None
     except STORAGE_ERRORS as e:
         raise ConfigError(f"finetune.base {ft.base} cannot be read: {describe(e)}") from None
-    weights = _weights(ckpt, whole)
+    return _same(ft, _weights(ckpt, whole))
+
+
+def _same(ft: FinetuneConfig, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """`weights`, if they are the base the run recorded (finetune.base_digest); else ConfigError."""
     digest = checkpoint.weights_digest(weights)
     if ft.base_digest is not None and digest != ft.base_digest:
         raise ConfigError(
@@ -144,12 +169,17 @@ def load_trained_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None
             ours[name].copy_(value)
 
 
-def resolve_base(source: str) -> tuple[str, str, Config | None]:
+def resolve_base(source: str) -> tuple[str, str, Config | None, ModelConfig | None]:
     """`etrain finetune --from`: a run directory (its latest committed checkpoint), a checkpoint directory (its
-    latest), or one checkpoint's step directory. Its URI, its weights' digest, and the config of the run that made
-    it when there is one (the fine-tuning run takes its model section)."""
+    latest), one checkpoint's step directory, or a Hugging Face model directory. Its URI, its weights' digest, the
+    config of the run that made it when there is one, and the model of a Hugging Face directory (the fine-tuning
+    run takes its model section from either)."""
+    from app.core import hf
+
     if "://" not in source:
         source = str(Path(source).expanduser().resolve())
+    if hf.is_model_dir(source):
+        return source, checkpoint.weights_digest(hf.Weights(source)), None, hf.read_config(source)
     fs, path = fsspec.core.url_to_fs(source)
     try:
         if fs.isfile(posixpath.join(path, "config.yaml")):  # a run directory
@@ -179,7 +209,7 @@ def resolve_base(source: str) -> tuple[str, str, Config | None]:
     if run_cfg is None and isinstance(ckpt.meta.get("config"), dict):  # a run's checkpoint names its config
         with contextlib.suppress(ConfigError):  # one an older version wrote may not validate: then --config's
             run_cfg = validate(ckpt.meta["config"])
-    return ckpt.path.removeprefix("file://"), checkpoint.weights_digest(weights), run_cfg  # a local base: a path
+    return ckpt.path.removeprefix("file://"), checkpoint.weights_digest(weights), run_cfg, None  # local: a path
 
 
 def finetune_config(source: str, config: str | None, overrides: list[str]) -> Config:
@@ -187,16 +217,21 @@ def finetune_config(source: str, config: str | None, overrides: list[str]) -> Co
     name, checkpoint location or faults), with `overrides`. The model is the base's either way."""
     if any(item.partition("=")[0].strip().startswith("finetune.base") for item in overrides):
         raise ConfigError("finetune.base is where --from points: give the run or checkpoint with --from")
-    base, digest, base_cfg = resolve_base(source)
+    base, digest, base_cfg, base_model = resolve_base(source)
     start: str | dict | None = config
     if config is None and base_cfg is not None:
         raw = base_cfg.model_dump()
         raw |= {"faults": [], "finetune": {}, "ppo": {}}
         raw["run"]["name"] = raw["checkpoint"]["uri"] = None
         start = raw
+    if base_model is not None:  # a Hugging Face directory: its model, trained on sequences of model.seq_len
+        start = raw_config(start) | {"model": base_model.model_dump()}
     cfg = load_config(start, overrides)
-    if base_cfg is not None and cfg.model != base_cfg.model:
-        ours, theirs = cfg.model.model_dump(), base_cfg.model.model_dump()
+    theirs = (base_cfg.model if base_cfg is not None else base_model or cfg.model).model_dump()
+    ours = cfg.model.model_dump()
+    if base_model is not None and ours["seq_len"] <= theirs["seq_len"]:  # shorter sequences than its positions
+        theirs["seq_len"] = ours["seq_len"]
+    if ours != theirs:
         differ = ", ".join(f"model.{k}={ours[k]} (the base's: {theirs[k]})" for k in ours if ours[k] != theirs[k])
         raise ConfigError(f"{differ}: a fine-tuning run trains its base's model; leave the model section out")
     return override(cfg, {"finetune.base": base, "finetune.base_digest": digest})

@@ -29,7 +29,7 @@ def flops_per_token(model: ModelConfig, params: int, trainable: int | None = Non
     """Training FLOPs per token: 6 per parameter plus attention (PaLM appendix B, as nanoGPT counts). A frozen
     parameter (a LoRA run's base) costs 4: the forward and the gradient through it, no gradient of its own."""
     trainable = params if trainable is None else trainable
-    return 4 * params + 2 * trainable + 12 * model.n_layer * model.d_model * model.seq_len
+    return 4 * params + 2 * trainable + 12 * model.n_layer * model.n_head * model.head_width * model.seq_len
 
 
 def peak_flops(device, precision: str) -> float | None:

@@ -32,9 +32,9 @@ class Rotary(nn.Module):
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, H, T, D)
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:  # x: (B, H, T, D) at positions start...
         t = x.shape[-2]
-        cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
+        cos, sin = self.cos[start : start + t].to(x.dtype), self.sin[start : start + t].to(x.dtype)
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
@@ -49,14 +49,35 @@ class Attention(nn.Module):
         self.rotary = Rotary(self.head_dim, cfg.seq_len) if cfg.positions == "rotary" else None
         self._register_load_state_dict_pre_hook(_split_fused_qkv)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = x.shape  # the heads a rank holds follow from the width it is given: n_head / tp under TP
         q, k, v = (z(x).view(b, t, -1, self.head_dim).transpose(1, 2) for z in (self.q, self.k, self.v))
+        start = cache.length if cache is not None else 0
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+            q, k = self.rotary(q, start), self.rotary(k, start)
+        if cache is not None:
+            k, v = cache.extend(k, v)
         drop = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, dropout_p=drop)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class KVCache:
+    """One attention layer's keys and values of the tokens so far, for sampling (app/generate.py): the prompt goes
+    through once, causally, then one token per step, which attends to every cached one."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[-2]
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat((self.k, k), dim=-2)
+        self.v = v if self.v is None else torch.cat((self.v, v), dim=-2)
+        return self.k, self.v
 
 
 def _split_fused_qkv(state_dict: dict, prefix: str, *args) -> None:
@@ -79,8 +100,8 @@ class Block(nn.Module):
             nn.Dropout(cfg.dropout),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cache)
         return x + self.mlp(self.norm2(x))
 
 
@@ -132,25 +153,35 @@ class GPT(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
         """Through the parts this model holds: a pipeline stage (app/core/parallel.py) takes token ids or hidden
-        states and gives hidden states or logits."""
-        x = self.trunk(x)
+        states and gives hidden states or logits. With `caches` (one per block), the tokens after those cached."""
+        x = self.trunk(x, caches)
         return x if self.head is None else self.head(self.norm(x))
 
-    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+    def trunk(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
         """Embedding (on the first stage) and the blocks: the hidden states before the final norm."""
         if self.embed is not None:
             idx, x = x, self.embed(x)
             if self.pos is not None:
-                x = x + self.pos(torch.arange(idx.shape[1], device=idx.device))
+                start = caches[0].length if caches else 0
+                x = x + self.pos(torch.arange(start, start + idx.shape[1], device=idx.device))
             x = self.drop(x)
-        for block in self.blocks.values():
-            x = block(x)
+        for i, block in enumerate(self.blocks.values()):
+            x = block(x, caches[i] if caches else None)
         return x
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def make_model(cfg: ModelConfig) -> GPT:
+    """The model of `cfg`'s family, its weights initial_weight's (none on the meta device)."""
+    if cfg.family == "llama":
+        from app.core.models.llama import Llama  # it builds on this module
+
+        return Llama(cfg)
+    return GPT(cfg)
 
 
 def initial_weight(cfg: ModelConfig, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
@@ -158,9 +189,13 @@ def initial_weight(cfg: ModelConfig, name: str, shape: torch.Size, seed: int) ->
     the model makes any tensor's value without the others' (one tensor at a time, on CPU). Linear and embedding
     weights N(0, 0.02), with GPT-2's scaled init of residual projections, which keeps the residual stream's variance
     flat in depth; norms 1 and 0."""
-    if ".norm" in name or name.startswith("norm."):
+    module = name.rpartition(".")[0]
+    if module.endswith("norm") or module.endswith(("norm1", "norm2")):
         return torch.ones(shape) if name.endswith(".weight") else torch.zeros(shape)
-    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("attn.proj.weight", "mlp.2.weight")) else 0.02
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    residual = ("attn.proj.weight", "mlp.2.weight", "attn.o.weight", "mlp.down.weight")  # GPT's, Llama's
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(residual) else 0.02
     generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     return torch.normal(0.0, std, tuple(shape), generator=generator)
 
@@ -173,7 +208,7 @@ class InitialWeights(dict):
         super().__init__()
         self.cfg, self.seed = cfg, seed
         with torch.device("meta"):
-            self.shapes = {n: p.shape for n, p in GPT(cfg).named_parameters(remove_duplicate=False)}
+            self.shapes = {n: p.shape for n, p in make_model(cfg).named_parameters(remove_duplicate=False)}
 
     def __missing__(self, name: str) -> torch.Tensor:
         tied = name == "head.weight" and self.cfg.tie_weights

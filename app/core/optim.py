@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from app.core.config import OptimConfig
-from app.core.model import GPT
+from app.core.model import make_model
 
 
 def make_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -76,7 +76,7 @@ def whole_groups(model_cfg, optim_cfg) -> list[list[str]]:
     """The whole model's parameter names in its optimizer's param groups (make_param_groups'): how a checkpoint's
     optimizer state indexes its tensors, in any layout."""
     with torch.device("meta"):
-        model = GPT(model_cfg)
+        model = make_model(model_cfg)
     name = {id(p): n for n, p in model.named_parameters()}
     return [[name[id(p)] for p in g["params"]] for g in make_param_groups(model, optim_cfg)]
 

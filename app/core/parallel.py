@@ -73,16 +73,25 @@ def keep_stage(model: GPT, stage: int, pp: int) -> GPT:
 
 
 def shard_tensors(model: GPT, tp_mesh: DeviceMesh) -> GPT:
-    """Megatron's plan on each block: q, k, v and the MLP's first layer split by output column (each rank computes
-    whole heads: n_head / tp of them), the attention's output projection and the MLP's second layer split by input
-    row, their partial sums all-reduced. Embedding, norms and head stay whole on every rank of the TP group."""
+    """Megatron's plan on each block: q, k, v and the MLP's first layer (Llama's gate and up) split by output column
+    (each rank computes whole heads: n_head / tp of them, and n_kv_head / tp key/value heads), the attention's output
+    projection and the MLP's last layer split by input row, their partial sums all-reduced. Embedding, norms and
+    head stay whole on every rank of the TP group."""
     plan = {}
     for name in model.blocks:
-        for part, style in (("attn.q", "col"), ("attn.k", "col"), ("attn.v", "col"), ("attn.proj", "row")):
+        for part, style in TP_PLAN[model.cfg.family].items():
             plan[f"blocks.{name}.{part}"] = ColwiseParallel() if style == "col" else RowwiseParallel()
-        plan[f"blocks.{name}.mlp.0"] = ColwiseParallel()
-        plan[f"blocks.{name}.mlp.2"] = RowwiseParallel()
     return parallelize_module(model, tp_mesh, plan)
+
+
+# Each block's linear layers by family: split by output column (col) or by input row (row)
+TP_PLAN = {
+    "gpt": {"attn.q": "col", "attn.k": "col", "attn.v": "col", "attn.proj": "row", "mlp.0": "col", "mlp.2": "row"},
+    "llama": {
+        **{"attn.q": "col", "attn.k": "col", "attn.v": "col", "attn.o": "row"},
+        **{"mlp.gate": "col", "mlp.up": "col", "mlp.down": "row"},
+    },
+}
 
 
 def shard_parameters(model: GPT, shard_mesh: DeviceMesh, param_dtype: torch.dtype | None) -> GPT:

@@ -1,0 +1,230 @@
+"""Hugging Face model directories in and out: `config.json` onto our model section (family llama; what the Llama
+model does not implement refused by name), weights by name from `*.safetensors` (one file or an index of shards),
+and the same written back so that `transformers.AutoModelForCausalLM.from_pretrained` loads it. Local paths only:
+never a hub download."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from app.core.config import ConfigError, ModelConfig
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+INDEX = "model.safetensors.index.json"
+# Hugging Face's names -> ours, per block and outside them
+BLOCK = {
+    "self_attn.q_proj": "attn.q",
+    "self_attn.k_proj": "attn.k",
+    "self_attn.v_proj": "attn.v",
+    "self_attn.o_proj": "attn.o",
+    "mlp.gate_proj": "mlp.gate",
+    "mlp.up_proj": "mlp.up",
+    "mlp.down_proj": "mlp.down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "mlp_norm",
+}
+OUTSIDE = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "head"}
+
+
+def read_config(directory: str | Path) -> ModelConfig:
+    """The model of a Hugging Face directory, from its config.json; ConfigError naming what is not supported."""
+    path = Path(directory) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{directory} is not a Hugging Face model directory: it has no config.json") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e})") from None
+    by_type = {family: arch for arch, family in ARCHITECTURES.items()}
+    arch = (cfg.get("architectures") or [by_type.get(cfg.get("model_type"), f"of model_type {cfg.get('model_type')}")])[
+        0
+    ]
+    if arch not in ARCHITECTURES:
+        raise ConfigError(
+            f"{path}: architecture {arch} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{path}: hidden_act={cfg['hidden_act']} is not supported (the Llama family's is silu)")
+    family = ARCHITECTURES[arch]
+    window = cfg.get("sliding_window") if family == "mistral" or cfg.get("use_sliding_window") else None
+    if window is not None and window < cfg["max_position_embeddings"]:
+        raise ConfigError(
+            f"{path}: sliding_window={window} is below max_position_embeddings={cfg['max_position_embeddings']}; "
+            "attention over a sliding window is not supported"
+        )
+    rope = cfg.get("rope_parameters") or {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta")}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ConfigError(f"{path}: rope type {kind} is not supported (default and llama3 are)")
+    bias = bool(cfg.get("attention_bias", False))
+    scaling = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return ModelConfig(
+        family="llama",
+        vocab_size=cfg["vocab_size"],
+        d_model=cfg["hidden_size"],
+        n_layer=cfg["num_hidden_layers"],
+        n_head=cfg["num_attention_heads"],
+        n_kv_head=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        ffn_dim=cfg["intermediate_size"],
+        seq_len=cfg["max_position_embeddings"],
+        head_dim=cfg.get("head_dim"),
+        rope_theta=float(rope.get("rope_theta") or 10_000.0),
+        rope_scaling={k: rope[k] for k in scaling} if kind == "llama3" else None,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        qkv_bias=bias or family == "qwen2",
+        o_bias=bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        tie_weights=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def our_name(name: str) -> str | None:
+    """A Hugging Face tensor's name in our model; None for what it does not hold (rotary tables some files keep)."""
+    if m := re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name):
+        part = BLOCK.get(m[2])
+        return f"blocks.{m[1]}.{part}.{m[3]}" if part else None
+    module, _, kind = name.rpartition(".")
+    return f"{OUTSIDE[module]}.{kind}" if module in OUTSIDE else None
+
+
+def their_name(name: str) -> str:
+    if m := re.fullmatch(r"blocks\.(\d+)\.(.+)\.(weight|bias)", name):
+        return f"model.layers.{m[1]}.{_inverse(BLOCK)[m[2]]}.{m[3]}"
+    module, _, kind = name.rpartition(".")
+    return f"{_inverse(OUTSIDE)[module]}.{kind}"
+
+
+def _inverse(names: dict[str, str]) -> dict[str, str]:
+    return {ours: theirs for theirs, ours in names.items()}
+
+
+def files(directory: str | Path) -> dict[str, Path]:
+    """Each tensor's file: from the index of a sharded directory, or the one model.safetensors."""
+    directory = Path(directory)
+    if (directory / INDEX).exists():
+        index = json.loads((directory / INDEX).read_text())["weight_map"]
+        return {name: directory / file for name, file in index.items()}
+    single = directory / "model.safetensors"
+    if not single.exists():
+        raise ConfigError(f"{directory} holds no model.safetensors and no {INDEX}")
+    with safe_open(single, "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def is_model_dir(source: str) -> bool:
+    """A local Hugging Face model directory: config.json beside model.safetensors or its index."""
+    path = Path(source)
+    return (
+        "://" not in source
+        and (path / "config.json").is_file()
+        and any((path / name).is_file() for name in ("model.safetensors", INDEX))
+    )
+
+
+class Weights(Mapping):
+    """A Hugging Face directory's weights by our names, each read when asked for (safetensors reads one tensor
+    without the rest of its file): a base's shapes and digest without the whole model in memory."""
+
+    def __init__(self, directory: str | Path):
+        self._files = {ours: (path, theirs) for theirs, path in files(directory).items() if (ours := our_name(theirs))}
+        if "head.weight" not in self._files and "embed.weight" in self._files:  # tied: the head is the embedding
+            self._files["head.weight"] = self._files["embed.weight"]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path, theirs = self._files[name]
+        with safe_open(path, "pt") as f:
+            return f.get_tensor(theirs)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def shapes(self) -> dict[str, torch.Size]:
+        shapes = {}
+        for name, (path, theirs) in self._files.items():
+            with safe_open(path, "pt") as f:
+                shapes[name] = torch.Size(f.get_slice(theirs).get_shape())
+        return shapes
+
+
+def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The weights of a Hugging Face directory by our names (a tied head as the embedding), each file opened once."""
+    by_file: dict[Path, list[str]] = {}
+    for theirs, path in files(directory).items():
+        if our_name(theirs) is not None:
+            by_file.setdefault(path, []).append(theirs)
+    weights = {}
+    for path, names in by_file.items():
+        with safe_open(path, "pt") as f:
+            for theirs in names:
+                weights[our_name(theirs)] = f.get_tensor(theirs)
+    if "head.weight" not in weights and "embed.weight" in weights:
+        weights["head.weight"] = weights["embed.weight"]
+    return weights
+
+
+def write(model_state: dict[str, torch.Tensor], args: ModelConfig, out: str | Path, shard_bytes: int = 2 << 30) -> None:
+    """A Hugging Face directory of `model_state` (our names): config.json, model-0000N-of-0000M.safetensors in
+    shards of at most `shard_bytes` (a tensor larger than that alone in its own), and their index."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {their_name(n): t.detach().contiguous() for n, t in model_state.items()}
+    if args.tie_weights:
+        tensors.pop("lm_head.weight", None)  # transformers ties it back from the embedding
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / file, metadata={"format": "pt"})
+        weight_map |= {name: file for name in shard}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(args, next(iter(tensors.values())).dtype), indent=2))
+
+
+def hf_config(args: ModelConfig, dtype: torch.dtype) -> dict:
+    """LlamaForCausalLM's config.json for `args` (Qwen2's biases on q, k and v alone are Llama's attention_bias
+    only with o's too: such a model is written as Qwen2)."""
+    qwen2 = args.qkv_bias and not args.o_bias
+    theta = args.rope_theta or 10_000.0
+    rope = {"rope_theta": theta, "rope_type": "default"}
+    if args.rope_scaling is not None:
+        rope |= {"rope_type": "llama3", **args.rope_scaling.model_dump()}
+    return {
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen2 else "llama",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.d_model,
+        "intermediate_size": args.ffn_width,
+        "num_hidden_layers": args.n_layer,
+        "num_attention_heads": args.n_head,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_width,
+        "max_position_embeddings": args.seq_len,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps or 1e-5,
+        "rope_theta": theta,
+        "rope_scaling": None if args.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "rope_parameters": rope,
+        "attention_bias": args.o_bias,
+        "mlp_bias": args.mlp_bias,
+        "tie_word_embeddings": args.tie_weights,
+        "dtype": str(dtype).removeprefix("torch."),
+    }

@@ -1,0 +1,1 @@
+"""Model definitions beside the GPT of app/core/model.py, one file each."""

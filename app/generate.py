@@ -1,0 +1,131 @@
+"""`etrain generate`: text sampled from a trained model (a run's newest checkpoint, one checkpoint, or a Hugging
+Face directory) with a KV cache, on CPU or one GPU, decoded with the tokenizer its data was prepared with."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from app.core import checkpoint, hf
+from app.core.config import Config, ConfigError, validate
+from app.core.finetune import build_model, load_trained_state
+from app.core.model import GPT, KVCache, make_model
+from pipelines import tokenizer
+
+
+@dataclass
+class Loaded:
+    model: GPT
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    eos: int | None
+    source: str  # what the weights came from
+
+
+def load(source: str, device: torch.device) -> Loaded:
+    """The model and tokenizer of `source`: a Hugging Face directory (its tokenizer.json), a run directory or a
+    checkpoint (the tokenizer of the data it trained on: bytes, or the file kept with its shards)."""
+    if hf.is_model_dir(source):
+        model = make_model(hf.read_config(source))
+        model.load_state_dict(hf.read_weights(source))
+        tok = _file_tokenizer(Path(source), f"{source} holds no tokenizer.json")
+        return Loaded(model.to(device).eval(), *tok, source)
+    cfg, ckpt = _run_checkpoint(source)
+    model = build_model(cfg)
+    load_trained_state(model, checkpoint.model_weights(ckpt.parts))
+    return Loaded(model.to(device).eval(), *_data_tokenizer(cfg), ckpt.path)
+
+
+def _run_checkpoint(source: str) -> tuple[Config, checkpoint.Checkpoint]:
+    path = Path(source).expanduser()
+    try:
+        if (path / "config.yaml").is_file():  # a run: its newest committed checkpoint
+            cfg = validate(yaml.safe_load((path / "config.yaml").read_text()))
+            ckpt = checkpoint.load_latest(checkpoint.checkpoint_uri(cfg, path))
+            if ckpt is None:
+                raise ConfigError(f"{source}: the run has no committed checkpoint yet")
+            return cfg, ckpt
+        ckpt = checkpoint.load_at(str(path.resolve()))
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(
+            f"{source} is not a run directory, a checkpoint or a Hugging Face model directory ({e})"
+        ) from None
+    if not isinstance(ckpt.meta.get("config"), dict):
+        raise ConfigError(f"{source}: the checkpoint does not name its run's config; give the run directory")
+    return validate(ckpt.meta["config"]), ckpt
+
+
+def _data_tokenizer(cfg: Config):
+    """(encode, decode, eos) of the data the run trained on."""
+    if cfg.data.source == "embedded":
+        return _bytes()
+    manifest = json.loads(Path(cfg.data.source).read_text()) if "://" not in cfg.data.source else None
+    if manifest is None:
+        import fsspec
+
+        with fsspec.open(cfg.data.source) as f:
+            manifest = json.load(f)
+    if manifest.get("tokenizer", tokenizer.BYTES) == tokenizer.BYTES:
+        return _bytes()
+    directory = posixpath.dirname(cfg.data.source)
+    return _file_tokenizer(Path(directory), f"the tokenizer of {cfg.data.source} is gone from {directory}")
+
+
+def _bytes():
+    return (lambda text: [int(t) for t in tokenizer.encode(text)], tokenizer.decode, tokenizer.EOT)
+
+
+def _file_tokenizer(directory: Path, missing: str):
+    if not (directory / tokenizer.FILE).is_file():
+        raise ConfigError(missing)
+    try:
+        tok = tokenizer.read_file(directory)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return (lambda text: tok.tokenizer.encode(text, add_special_tokens=True).ids, tok.decode, tok.eos)
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos: int | None = None,
+) -> list[int]:
+    """Up to `max_new_tokens` tokens after `prompt`: greedy at temperature 0, else drawn from the softmax at
+    `temperature` within the smallest set of tokens whose probability reaches `top_p`; an `eos` ends it, and so
+    does the model's context (the last token drawn follows model.seq_len tokens)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    caches = [KVCache() for _ in model.blocks]
+    context = model.cfg.seq_len
+    if not prompt or len(prompt) >= context:
+        raise ConfigError(f"the prompt is {len(prompt)} tokens: it needs 1 to {context - 1} (model.seq_len={context})")
+    logits = model.logits(torch.tensor([prompt], dtype=torch.long, device=device), caches)[0, -1]
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        token = _draw(logits.float(), temperature, top_p, generator)
+        out.append(token)
+        if token == eos or caches[0].length >= context:
+            break
+        logits = model.logits(torch.tensor([[token]], device=device), caches)[0, -1]
+    return out
+
+
+def _draw(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / temperature, dim=-1)
+    ordered, order = probs.sort(descending=True)
+    outside = ordered.cumsum(0) - ordered >= top_p  # past the nucleus: the top token is always inside
+    ordered[outside] = 0
+    return int(order[torch.multinomial(ordered / ordered.sum(), 1, generator=generator)])
