@@ -100,12 +100,12 @@ def prepare(
         next_stage(3, rejected=len(rejected))
         tok = _tokenizer(cfg.prepare.tokenizer, final)
         staging = _staging(out, fs, root)
-        text = tok.text if tok else None
+        spec = (tok.text, tok.eos_name) if tok else None
         packed = (
             final.map(partial(assign, cfg=cfg))
             .groupby("group", num_partitions=parts)
             .map_groups(
-                partial(pack, out=staging, cfg=cfg, storage=storage, tokenizer_text=text), batch_format="pandas"
+                partial(pack, out=staging, cfg=cfg, storage=storage, file_tokenizer=spec), batch_format="pandas"
             )
             .take_all()
         )
@@ -313,15 +313,15 @@ def assign(doc: dict, cfg: Config) -> dict:
     }
 
 
-def pack(group, out: str, cfg: Config, storage: dict, tokenizer_text: str | None = None):
-    """One logical shard: documents in id order, each ended by its end-of-document token (EOT with bytes, the
-    tokenizer's EOS), cut into seq_len + 1 rows."""
+def pack(group, out: str, cfg: Config, storage: dict, file_tokenizer: tuple[str, str] | None = None):
+    """One logical shard: documents in id order, each ended by its end-of-document token (EOT with bytes; with
+    `file_tokenizer`, a tokenizer file's text and its EOS token, that EOS), cut into seq_len + 1 rows."""
     group = group.sort_values("doc_id")
     split, logical = group["group"].iloc[0].split("/")
-    if tokenizer_text is None:
+    if file_tokenizer is None:
         docs, dtype = [np.append(tokenizer.encode(t), np.uint8(tokenizer.EOT)) for t in group["text"]], "uint8"
     else:
-        tok = _file_tokenizer(tokenizer_text)
+        tok = _parsed(*file_tokenizer)
         docs, dtype = [tok.encode_document(t) for t in group["text"]], tok.dtype
     row_len = cfg.model.seq_len + 1
     rows, sources = pack_rows(docs, list(group["name"]), row_len)
@@ -339,9 +339,9 @@ def pack(group, out: str, cfg: Config, storage: dict, tokenizer_text: str | None
 
 
 @functools.cache
-def _file_tokenizer(text: str) -> tokenizer.TokenizerFile:
-    """Parsed once per process (a Ray Data worker packs many groups)."""
-    return tokenizer.TokenizerFile(text)
+def _parsed(text: str, eos_name: str) -> tokenizer.TokenizerFile:
+    """Parsed once per process (a Ray Data worker packs many groups), its EOS the one the driver read."""
+    return tokenizer.TokenizerFile(text, eos_name)
 
 
 def _staging(out: str, fs, root: str) -> str:

@@ -43,6 +43,7 @@ class TokenizerFile:
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.dtype = "uint16" if self.vocab_size <= 2**16 else "uint32"
         self.eos = self._eos(eos_name)
+        self.eos_name = self.tokenizer.id_to_token(self.eos)
         self.sha256 = hashlib.sha256(text.encode()).hexdigest()
 
     def _eos(self, name: str | None) -> int:

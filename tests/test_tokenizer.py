@@ -55,3 +55,27 @@ def test_what_is_not_a_tokenizer_is_refused_by_name(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps(bare))
     with pytest.raises(ValueError, match="names no end-of-document token"):
         tokenizer.read_file(tmp_path)
+
+
+def test_pack_ends_documents_with_the_eos_the_driver_read(tmp_path):
+    """A Ray Data worker packs with the tokenizer's text and the EOS the driver read (tokenizer_config.json's here,
+    not the conventional <|endoftext|> the file also has): each document's tokens, that EOS after each."""
+    import pandas as pd
+    from tokenizers import AddedToken
+
+    from app.core.config import load_config
+    from pipelines.prepare import pack
+    from pipelines.shards import load_shard
+
+    tok = tokenizer.train_bpe(iter(TEXTS), 300)
+    tok.tokenizer.add_special_tokens([AddedToken("<|stop|>", special=True)])
+    (tmp_path / "tokenizer.json").write_text(tok.tokenizer.to_str())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|stop|>"}))
+    read = tokenizer.read_file(tmp_path)
+    group = pd.DataFrame({"doc_id": [1, 0], "text": TEXTS[:2], "name": ["b", "a"], "group": ["train/x.short"] * 2})
+    cfg = load_config("tiny", ["model.seq_len=8"])
+    packed = pack(group, str(tmp_path / "out"), cfg, {}, (read.text, read.eos_name))
+    entry = json.loads(packed["entries"][0])[0]
+    rows = load_shard(str(tmp_path / "out" / entry["path"]), entry, 9, np.dtype(read.dtype))
+    want = np.concatenate([read.encode_document(TEXTS[1]), read.encode_document(TEXTS[0])])  # in id order
+    assert read.eos == 300 and list(rows.ravel()) == list(want[: rows.size])
