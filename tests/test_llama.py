@@ -94,17 +94,41 @@ def test_ours_written_as_a_hugging_face_directory_loads_in_transformers(architec
         ({"architectures": ["GPT2LMHeadModel"]}, "architecture GPT2LMHeadModel is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act=gelu is not supported"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope type yarn"),
+        ({"num_hidden_layers": None}, "has no 'num_hidden_layers'"),
+        ({"num_attention_heads": 6, "num_key_value_heads": 4}, "does not describe a model this trainer builds"),
     ],
 )
 def test_what_the_model_does_not_implement_is_refused_by_name(change, named, rng, tmp_path):
     config = tiny_config("LlamaForCausalLM", rng)
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(saved | {"architectures": ["LlamaForCausalLM"]} | change))
+    saved = {k: v for k, v in (saved | {"architectures": ["LlamaForCausalLM"]} | change).items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
     with pytest.raises(ConfigError, match=named):
         hf.read_config(tmp_path)
     with pytest.raises(ConfigError, match="no config.json"):
         hf.read_config(tmp_path / "elsewhere")
+
+
+def test_a_sliding_window_is_the_models_context(rng, tmp_path):
+    """Mistral's sliding window shorter than its positions: within the window the attention is full, so the model
+    reads with the window as its sequence length, gives transformers' logits there, and a longer run is refused."""
+    from app.core.finetune import finetune_config
+
+    config = tiny_config("MistralForCausalLM", rng)
+    config.sliding_window = window = rng.choice([16, 24, 32])
+    theirs = reference("MistralForCausalLM", config, rng.randrange(2**31))
+    theirs.save_pretrained(tmp_path)
+    args = hf.read_config(tmp_path)
+    assert args.seq_len == window
+    ours = make_model(args).eval()
+    ours.load_state_dict(hf.read_weights(tmp_path))
+    tokens = torch.randint(0, args.vocab_size, (2, window), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.logits(tokens), theirs(tokens).logits)
+    assert finetune_config(str(tmp_path), "tiny", [f"model.seq_len={window}"]).model.seq_len == window
+    with pytest.raises(ConfigError, match=rf"model.seq_len=48 \(the base's: {window}\)"):
+        finetune_config(str(tmp_path), "tiny", ["model.seq_len=48"])
 
 
 def test_a_hugging_face_directory_is_a_fine_tuning_base(rng, tmp_path):

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -34,7 +35,11 @@ OUTSIDE = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "head
 
 
 def read_config(directory: str | Path) -> ModelConfig:
-    """The model of a Hugging Face directory, from its config.json; ConfigError naming what is not supported."""
+    """The model of a Hugging Face directory, from its config.json; ConfigError naming what is not supported.
+
+    A sliding window (Mistral's) shorter than max_position_embeddings becomes the model's `seq_len`: within the
+    window, sliding-window attention is full causal attention, so the model is exact there and a run may not go
+    beyond it."""
     path = Path(directory) / "config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -42,23 +47,31 @@ def read_config(directory: str | Path) -> ModelConfig:
         raise ConfigError(f"{directory} is not a Hugging Face model directory: it has no config.json") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON ({e})") from None
+    try:
+        return _model(cfg, path)
+    except KeyError as e:
+        raise ConfigError(f"{path} has no {e.args[0]!r}, which a {_architecture(cfg, path)} config holds") from None
+    except ValidationError as e:
+        why = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
+        raise ConfigError(f"{path} does not describe a model this trainer builds ({why})") from None
+
+
+def _architecture(cfg: dict, path: Path) -> str:
     by_type = {family: arch for arch, family in ARCHITECTURES.items()}
-    arch = (cfg.get("architectures") or [by_type.get(cfg.get("model_type"), f"of model_type {cfg.get('model_type')}")])[
-        0
-    ]
-    if arch not in ARCHITECTURES:
+    named = cfg.get("architectures") or [by_type.get(cfg.get("model_type"), f"of model_type {cfg.get('model_type')}")]
+    if named[0] not in ARCHITECTURES:
         raise ConfigError(
-            f"{path}: architecture {arch} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+            f"{path}: architecture {named[0]} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
         )
+    return named[0]
+
+
+def _model(cfg: dict, path: Path) -> ModelConfig:
+    family = ARCHITECTURES[_architecture(cfg, path)]
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{path}: hidden_act={cfg['hidden_act']} is not supported (the Llama family's is silu)")
-    family = ARCHITECTURES[arch]
+    positions = cfg["max_position_embeddings"]
     window = cfg.get("sliding_window") if family == "mistral" or cfg.get("use_sliding_window") else None
-    if window is not None and window < cfg["max_position_embeddings"]:
-        raise ConfigError(
-            f"{path}: sliding_window={window} is below max_position_embeddings={cfg['max_position_embeddings']}; "
-            "attention over a sliding window is not supported"
-        )
     rope = cfg.get("rope_parameters") or {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta")}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3"):
@@ -73,7 +86,7 @@ def read_config(directory: str | Path) -> ModelConfig:
         n_head=cfg["num_attention_heads"],
         n_kv_head=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
         ffn_dim=cfg["intermediate_size"],
-        seq_len=cfg["max_position_embeddings"],
+        seq_len=min(positions, window) if window else positions,
         head_dim=cfg.get("head_dim"),
         rope_theta=float(rope.get("rope_theta") or 10_000.0),
         rope_scaling={k: rope[k] for k in scaling} if kind == "llama3" else None,
