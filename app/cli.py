@@ -82,30 +82,29 @@ def cmd_train(args, started_at: float) -> int:
             raise ConfigError("--resume continues a run from its own checkpoint; drop --init-from")
         return _resume(args, started_at)
     if args.init_from:  # continued pre-training: every weight trains, from the directory's
-        from app.core.finetune import finetune_config
-
-        cfg = finetune_config(args.init_from, args.config, ["finetune.method=full", *args.set])
-        print(f"base: {cfg.finetune.base}", file=sys.stderr)
-        return _train(args, cfg, None, started_at)
+        return _from_base(args, args.init_from, ["finetune.method=full", *args.set], started_at)
     return _train(args, load_config(args.config, args.set), None, started_at)
 
 
 def cmd_finetune(args, started_at: float) -> int:
-    from app.core.finetune import finetune_config
-
-    cfg = finetune_config(args.source, args.config, args.set)
-    print(f"base: {cfg.finetune.base}", file=sys.stderr)
-    return _train(args, cfg, None, started_at)
+    return _from_base(args, args.source, args.set, started_at)
 
 
 def cmd_ppo(args, started_at: float) -> int:
-    from app.core.config import override
-    from app.core.finetune import finetune_config
     from app.core.rewards import load, resolve
 
     reward = load(resolve(args.reward)).name  # a reward that cannot be loaded: refused first, in one line
-    cfg = override(finetune_config(args.source, args.config, args.set), {"ppo.reward": reward})
-    print(f"base: {cfg.finetune.base}; reward: {args.reward}", file=sys.stderr)
+    return _from_base(args, args.source, args.set, started_at, {"ppo.reward": reward})
+
+
+def _from_base(args, source: str, overrides: list[str], started_at: float, then: dict | None = None) -> int:
+    """A new run from the weights at `source` (a run, a checkpoint or a Hugging Face directory); `then`: keys set
+    once the base is known (PPO's reward, which the config accepts only with a base)."""
+    from app.core.config import override
+    from app.core.finetune import finetune_config
+
+    cfg = override(finetune_config(source, args.config, overrides), then or {})
+    print(f"base: {cfg.finetune.base}" + "".join(f"; {k}: {v}" for k, v in (then or {}).items()), file=sys.stderr)
     return _train(args, cfg, None, started_at)
 
 

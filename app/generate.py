@@ -15,13 +15,13 @@ import yaml
 from app.core import checkpoint, hf
 from app.core.config import Config, ConfigError, validate
 from app.core.finetune import build_model, load_trained_state
-from app.core.model import GPT, KVCache, make_model
+from app.core.model import KVCache, LanguageModel, make_model
 from pipelines import tokenizer
 
 
 @dataclass
 class Loaded:
-    model: GPT
+    model: LanguageModel
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     eos: int | None
@@ -93,7 +93,7 @@ def _file_tokenizer(directory: Path, missing: str):
 
 @torch.no_grad()
 def generate(
-    model: GPT,
+    model: LanguageModel,
     prompt: list[int],
     max_new_tokens: int,
     temperature: float = 0.0,

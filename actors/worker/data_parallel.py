@@ -14,7 +14,7 @@ from actors.worker.compress import GradSync
 from actors.worker.engine import Engine, snapshot
 from actors.worker.injection import Injected
 from app.core.finetune import load_trained_state, trained_state
-from app.core.model import GPT
+from app.core.model import LanguageModel
 from app.core.optim import (
     as_optimizer_state,
     make_optimizer,
@@ -28,7 +28,7 @@ from app.core.optim import (
 class DataParallel(Engine):
     def __init__(self, cfg, device):
         super().__init__(cfg, device)
-        self.ddp: DDP | GPT | None = None  # what the step calls: the model, wrapped in a group of two or more
+        self.ddp: DDP | LanguageModel | None = None  # what the step calls: the model, wrapped in a group of two or more
         self.sync: GradSync | None = None  # the DDP communication hook; keeps top-k residuals across groups
         self.sharded = False  # the optimizer is ZeRO-1's, holding this rank's shard of the state
 

@@ -19,7 +19,7 @@ from actors.worker.compress import GradSync
 from actors.worker.injection import Injected
 from app.core.config import Config
 from app.core.finetune import build_model
-from app.core.model import GPT
+from app.core.model import LanguageModel
 from app.core.optim import make_optimizer, make_scheduler
 
 
@@ -37,7 +37,7 @@ class Engine:
         self.rank, self.world = -1, 0
         self.applied = 0  # optimizer steps in this state: the step it can resume from (-1: none of use)
 
-    def build_model(self) -> GPT:
+    def build_model(self) -> LanguageModel:
         """The model a worker starts with, the same on every worker: seeded, or a base's (+ adapters)."""
         return build_model(self.cfg).to(self.device)
 

@@ -22,7 +22,7 @@ from app.core import sharded_checkpoint as dcp
 from app.core.checkpoint import DCP
 from app.core.finetune import base_source
 from app.core.layout_state import load_full, load_local, local_state
-from app.core.model import GPT, InitialWeights, make_model
+from app.core.model import InitialWeights, LanguageModel, make_model
 from app.core.optim import by_name, make_optimizer, make_scheduler, whole_groups
 from app.core.parallel import Replica, ReplicaBroken, make_mesh
 
@@ -36,7 +36,7 @@ class LaidOut(Engine):
         self.stager = None  # the host buffers its saves copy the part into, kept while the group lasts
         self.held: dict | None = None  # out of a group: the part's state, as layout_state.local_state
 
-    def build_model(self) -> GPT:
+    def build_model(self) -> LanguageModel:
         """The model's structure only: each rank makes its part when it joins."""
         with torch.device("meta"):
             return make_model(self.cfg.model)

@@ -26,13 +26,13 @@ from app.core.config import (
     validate,
 )
 from app.core.lora import adapters, add_adapters, is_adapter, trainable
-from app.core.model import GPT, make_model
+from app.core.model import LanguageModel, make_model
 from app.core.storage import STORAGE_ERRORS, describe
 
 VALUE_HEAD = "value_head."  # a PPO run's, trained beside the language model
 
 
-def build_model(cfg: Config) -> GPT:
+def build_model(cfg: Config) -> LanguageModel:
     """Weights as every worker must start them: the same seed, the same base, the same adapters' init."""
     torch.manual_seed(cfg.train.seed)
     model = make_model(cfg.model)
@@ -84,13 +84,20 @@ def base_source(ft: FinetuneConfig) -> str | Mapping[str, torch.Tensor]:
 
     if hf.is_model_dir(ft.base):
         return hf.Weights(ft.base)
-    try:
+    with _reading("finetune.base", ft.base):
         files = checkpoint.dcp_dir(ft.base)
-    except checkpoint.CheckpointError as e:
-        raise ConfigError(f"finetune.base: {e}") from None
-    except STORAGE_ERRORS as e:
-        raise ConfigError(f"finetune.base {ft.base} cannot be read: {describe(e)}") from None
     return files if files is not None else base_weights(ft)
+
+
+@contextlib.contextmanager
+def _reading(key: str, source: str):
+    """A base that cannot be read, or is not a committed checkpoint: ConfigError naming the key that points at it."""
+    try:
+        yield
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    except STORAGE_ERRORS as e:
+        raise ConfigError(f"{key} {source} cannot be read: {describe(e)}") from None
 
 
 def _verified(ft: FinetuneConfig, whole: bool) -> Mapping[str, torch.Tensor]:
@@ -99,12 +106,8 @@ def _verified(ft: FinetuneConfig, whole: bool) -> Mapping[str, torch.Tensor]:
     if hf.is_model_dir(ft.base):  # a Hugging Face directory: its safetensors, a tensor at a time unless `whole`
         weights = hf.read_weights(ft.base) if whole else hf.Weights(ft.base)
         return _same(ft, weights)
-    try:
+    with _reading("finetune.base", ft.base):
         ckpt = checkpoint.load_at(ft.base)
-    except checkpoint.CheckpointError as e:
-        raise ConfigError(f"finetune.base: {e}") from None
-    except STORAGE_ERRORS as e:
-        raise ConfigError(f"finetune.base {ft.base} cannot be read: {describe(e)}") from None
     return _same(ft, _weights(ckpt, whole))
 
 
@@ -130,7 +133,7 @@ def _weights(ckpt: checkpoint.Checkpoint, whole: bool) -> Mapping[str, torch.Ten
     return model_only(checkpoint.model_weights(ckpt.parts))
 
 
-def load_base(model: GPT, ft: FinetuneConfig) -> None:
+def load_base(model: LanguageModel, ft: FinetuneConfig) -> None:
     weights = base_weights(ft)
     try:
         model.load_state_dict(weights)
@@ -181,7 +184,7 @@ def resolve_base(source: str) -> tuple[str, str, Config | None, ModelConfig | No
     if hf.is_model_dir(source):
         return source, checkpoint.weights_digest(hf.Weights(source)), None, hf.read_config(source)
     fs, path = fsspec.core.url_to_fs(source)
-    try:
+    with _reading("--from", source):
         if fs.isfile(posixpath.join(path, "config.yaml")):  # a run directory
             run_cfg = validate(yaml.safe_load(fs.cat_file(posixpath.join(path, "config.yaml"))))
             ckpt = checkpoint.load_latest(checkpoint.checkpoint_uri(run_cfg, source))
@@ -196,10 +199,6 @@ def resolve_base(source: str) -> tuple[str, str, Config | None, ModelConfig | No
                     f"--from {source} is not a run directory (config.yaml), a directory of checkpoints with a "
                     f"committed one (step-*/{checkpoint.COMMIT}), or a checkpoint"
                 )
-    except checkpoint.CheckpointError as e:
-        raise ConfigError(f"--from {source}: {e}") from None
-    except STORAGE_ERRORS as e:
-        raise ConfigError(f"--from {source} cannot be read: {describe(e)}") from None
     weights = _weights(ckpt, whole=False)
     if any(is_adapter(n) for n in weights):
         raise ConfigError(

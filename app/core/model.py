@@ -105,33 +105,33 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.positions == "learned" else None
-        self.drop = nn.Dropout(cfg.dropout)
-        # by index, so that a pipeline stage keeping some blocks (app/core/parallel.py) keeps their names
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
-        self.norm = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_weights:
+class LanguageModel(nn.Module):
+    """What every family shares (app/core/models/ holds the others): the modules embed, blocks by index, norm and
+    head, which a pipeline stage drops where it does not compute them (app/core/parallel.py); the forward every
+    engine calls; PPO's value head; a model built on the meta device given storage. A family defines its modules
+    and `trunk`."""
+
+    cfg: ModelConfig
+    value_head: nn.Linear | None
+
+    def _initialise(self) -> None:
+        """Every weight initial_weight's, unless built on the meta device (then `materialize` and a load)."""
+        if self.cfg.tie_weights:
             self.head.weight = self.embed.weight
-        self.value_head: nn.Linear | None = None  # PPO's critic (add_value_head)
+        self.value_head = None  # PPO's critic (add_value_head)
         if not self.head.weight.is_meta:
             with torch.no_grad():
                 for name, p in self.named_parameters():
-                    p.copy_(initial_weight(cfg, name, p.shape, torch.initial_seed()))
+                    p.copy_(initial_weight(self.cfg, name, p.shape, torch.initial_seed()))
 
-    def materialize(self, device: torch.device) -> GPT:
+    def materialize(self, device: torch.device) -> LanguageModel:
         """A model built on the meta device (or its part: app/core/parallel.py), given storage on `device`; its
         buffers filled, its weights not (layout_state.load_full takes them from InitialWeights or a checkpoint)."""
         self.to_empty(device=device)
         if self.cfg.tie_weights and self.embed is not None and self.head is not None:
             self.head.weight = self.embed.weight  # to_empty gives each module its own tensor: tied again
         for module in self.modules():
-            if isinstance(module, Rotary):
+            if hasattr(module, "reset"):  # tables computed, not trained: rotary positions
                 module.reset()
         return self
 
@@ -142,10 +142,7 @@ class GPT(nn.Module):
             hidden = self.norm(self.trunk(idx))
             return self.head(hidden), self.value_head(hidden).squeeze(-1)
         logits = self.logits(idx)
-        if targets is None:
-            return logits, None
-        loss = next_token_loss(logits, targets)
-        return logits, loss
+        return logits, None if targets is None else next_token_loss(logits, targets)
 
     def add_value_head(self) -> None:
         """A critic beside the language-model head, started at zero: its first estimates are 0."""
@@ -161,6 +158,26 @@ class GPT(nn.Module):
 
     def trunk(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
         """Embedding (on the first stage) and the blocks: the hidden states before the final norm."""
+        raise NotImplementedError
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+class GPT(LanguageModel):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.positions == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        # by index, so that a pipeline stage keeping some blocks (app/core/parallel.py) keeps their names
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self._initialise()
+
+    def trunk(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
         if self.embed is not None:
             idx, x = x, self.embed(x)
             if self.pos is not None:
@@ -171,11 +188,8 @@ class GPT(nn.Module):
             x = block(x, caches[i] if caches else None)
         return x
 
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 
-
-def make_model(cfg: ModelConfig) -> GPT:
+def make_model(cfg: ModelConfig) -> LanguageModel:
     """The model of `cfg`'s family, its weights initial_weight's (none on the meta device)."""
     if cfg.family == "llama":
         from app.core.models.llama import Llama  # it builds on this module

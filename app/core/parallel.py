@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from app.core.config import ParallelConfig
-from app.core.model import GPT, next_token_loss
+from app.core.model import LanguageModel, next_token_loss
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
@@ -58,7 +58,7 @@ def stage_layers(n_layer: int, pp: int) -> list[range]:
     return [range(starts[s], starts[s] + counts[s]) for s in range(pp)]
 
 
-def keep_stage(model: GPT, stage: int, pp: int) -> GPT:
+def keep_stage(model: LanguageModel, stage: int, pp: int) -> LanguageModel:
     """Drop what `stage` does not compute (torchtitan's pipeline_module_split). Parameter names stay those of the
     whole model, so checkpoints written by any layout name every tensor alike."""
     keep = stage_layers(len(model.blocks), pp)[stage]
@@ -72,7 +72,7 @@ def keep_stage(model: GPT, stage: int, pp: int) -> GPT:
     return model
 
 
-def shard_tensors(model: GPT, tp_mesh: DeviceMesh) -> GPT:
+def shard_tensors(model: LanguageModel, tp_mesh: DeviceMesh) -> LanguageModel:
     """Megatron's plan on each block: q, k, v and the MLP's first layer (Llama's gate and up) split by output column
     (each rank computes whole heads: n_head / tp of them, and n_kv_head / tp key/value heads), the attention's output
     projection and the MLP's last layer split by input row, their partial sums all-reduced. Embedding, norms and
@@ -94,7 +94,7 @@ TP_PLAN = {
 }
 
 
-def shard_parameters(model: GPT, shard_mesh: DeviceMesh, param_dtype: torch.dtype | None) -> GPT:
+def shard_parameters(model: LanguageModel, shard_mesh: DeviceMesh, param_dtype: torch.dtype | None) -> LanguageModel:
     """FSDP2 over the shard dimension, torchtitan's way: each block a unit (its parameters gathered for its forward
     and backward, then freed), the root the rest (embedding, final norm, head). Gradients are reduce-scattered as
     their mean over the shard ranks, in fp32 whatever `param_dtype` (bf16 on a GPU) computes in."""
@@ -107,7 +107,7 @@ def shard_parameters(model: GPT, shard_mesh: DeviceMesh, param_dtype: torch.dtyp
 class _StageForward(nn.Module):
     """The stage's forward as PipelineStage calls it: tokens or hidden states in, hidden states or logits out."""
 
-    def __init__(self, model: GPT):
+    def __init__(self, model: LanguageModel):
         super().__init__()
         self.model = model
 
@@ -115,7 +115,7 @@ class _StageForward(nn.Module):
         return self.model.logits(x)
 
 
-def make_schedule(model: GPT, mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
+def make_schedule(model: LanguageModel, mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
     stage = cfg.place(dist.get_rank()).stage
     pipe = PipelineStage(_StageForward(model), stage, cfg.pp, device, group=mesh["pp"].get_group())
     return SCHEDULES[cfg.schedule](pipe, n_microbatches=cfg.microbatches, loss_fn=next_token_loss, scale_grads=True)
@@ -137,7 +137,7 @@ class TiedGroups:
                     if me in pair:
                         self.group = group
 
-    def sync(self, model: GPT) -> None:
+    def sync(self, model: LanguageModel) -> None:
         tied = model.embed if model.embed is not None else model.head
         dist.all_reduce(tied.weight.grad, group=self.group)
 
@@ -166,7 +166,7 @@ def sync_replicas(model: nn.Module, mesh: DeviceMesh, weight: float) -> None:
         offset += g.numel()
 
 
-def clip_grads(model: GPT, max_norm: float, mesh: DeviceMesh, tied: bool) -> float:
+def clip_grads(model: LanguageModel, max_norm: float, mesh: DeviceMesh, tied: bool) -> float:
     """The global gradient norm of the whole model, and clipping to `max_norm` as torch's clip_grad_norm_ does.
 
     Each tensor counts once: the squares of a tensor split over mesh dimensions (TP, shard) are summed over those
@@ -219,7 +219,7 @@ class Replica:
 
     def __init__(
         self,
-        model: GPT,
+        model: LanguageModel,
         mesh: DeviceMesh,
         cfg: ParallelConfig,
         device: torch.device,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.core.config import ModelConfig
-from app.core.model import KVCache, initial_weight, next_token_loss
+from app.core.model import KVCache, LanguageModel
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -120,10 +120,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class Llama(nn.Module):
-    """app.core.model.GPT's interface and structure (embed, blocks by index, norm, head; a pipeline stage drops what
-    it does not compute, app/core/parallel.py), so that every engine runs either."""
-
+class Llama(LanguageModel):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -132,40 +129,7 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_weights:
-            self.head.weight = self.embed.weight
-        self.value_head: nn.Linear | None = None  # PPO's critic (add_value_head)
-        if not self.head.weight.is_meta:
-            with torch.no_grad():
-                for name, p in self.named_parameters():
-                    p.copy_(initial_weight(cfg, name, p.shape, torch.initial_seed()))
-
-    def materialize(self, device: torch.device) -> Llama:
-        """Built on the meta device (or a part of it), given storage on `device` and its rotary tables."""
-        self.to_empty(device=device)
-        if self.cfg.tie_weights and self.embed is not None and self.head is not None:
-            self.head.weight = self.embed.weight
-        for module in self.modules():
-            if isinstance(module, Rotary):
-                module.reset()
-        return self
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, values: bool = False):
-        """(logits, loss), or with `values` (logits, the value head's estimate at each position), as GPT's."""
-        if values:
-            hidden = self.norm(self.trunk(idx))
-            return self.head(hidden), self.value_head(hidden).squeeze(-1)
-        logits = self.logits(idx)
-        return logits, None if targets is None else next_token_loss(logits, targets)
-
-    def add_value_head(self) -> None:
-        self.value_head = nn.Linear(self.cfg.d_model, 1).to(self.head.weight.device)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
-
-    def logits(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
-        x = self.trunk(x, caches)
-        return x if self.head is None else self.head(self.norm(x))
+        self._initialise()
 
     def trunk(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
         if self.embed is not None:
@@ -173,6 +137,3 @@ class Llama(nn.Module):
         for i, block in enumerate(self.blocks.values()):
             x = block(x, caches[i] if caches else None)
         return x
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
