@@ -34,7 +34,7 @@ def load(source: str, device: torch.device) -> Loaded:
     if hf.is_model_dir(source):
         model = make_model(hf.read_config(source))
         model.load_state_dict(hf.read_weights(source))
-        tok = _file_tokenizer(Path(source), f"{source} holds no tokenizer.json")
+        tok = _file_tokenizer(source, f"{source} holds no tokenizer.json")
         return Loaded(model.to(device).eval(), *tok, source)
     cfg, ckpt = _run_checkpoint(source)
     model = build_model(cfg)
@@ -74,15 +74,18 @@ def _data_tokenizer(cfg: Config):
     if manifest.get("tokenizer", tokenizer.BYTES) == tokenizer.BYTES:
         return _bytes()
     directory = posixpath.dirname(cfg.data.source)
-    return _file_tokenizer(Path(directory), f"the tokenizer of {cfg.data.source} is gone from {directory}")
+    return _file_tokenizer(directory, f"the tokenizer of {cfg.data.source} is gone from {directory}")
 
 
 def _bytes():
     return (lambda text: [int(t) for t in tokenizer.encode(text)], tokenizer.decode, tokenizer.EOT)
 
 
-def _file_tokenizer(directory: Path, missing: str):
-    if not (directory / tokenizer.FILE).is_file():
+def _file_tokenizer(directory: str, missing: str):
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(directory)
+    if not fs.isfile(posixpath.join(root, tokenizer.FILE)):
         raise ConfigError(missing)
     try:
         tok = tokenizer.read_file(directory)

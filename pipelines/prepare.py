@@ -322,7 +322,7 @@ def pack(group, out: str, cfg: Config, storage: dict, file_tokenizer: tuple[str,
         docs, dtype = [np.append(tokenizer.encode(t), np.uint8(tokenizer.EOT)) for t in group["text"]], "uint8"
     else:
         tok = _parsed(*file_tokenizer)
-        docs, dtype = [tok.encode_document(t) for t in group["text"]], tok.dtype
+        docs, dtype = tok.encode_documents(list(group["text"])), tok.dtype
     row_len = cfg.model.seq_len + 1
     rows, sources = pack_rows(docs, list(group["name"]), row_len)
     writer = SplitWriter(out, f"{split}-{logical}", row_len, dtype, cfg.data.shard_bytes, storage)

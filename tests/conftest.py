@@ -16,6 +16,7 @@ from app.core.config import Config, load_config
 from app.core.ports import free_port
 
 from faults import S3Faults
+from runs import FAMILIES
 
 
 @pytest.fixture(scope="session")
@@ -109,6 +110,22 @@ def rng(request) -> random.Random:
     seed = int(os.environ.get("ETRAIN_TEST_SEED") or random.SystemRandom().randrange(2**32))
     print(f"{request.node.nodeid}: seed {seed} (ETRAIN_TEST_SEED={seed} draws the same)")
     return random.Random(seed)
+
+
+@pytest.fixture(scope="module")
+def module_family(request) -> tuple[str, int]:
+    """The model family a module's runs train (gpt or llama, the tiny preset's shape), drawn from a seed once per
+    module: its reference run and the runs compared with it train the same one."""
+    seed = int(os.environ.get("ETRAIN_TEST_SEED") or random.SystemRandom().randrange(2**32))
+    return random.Random(seed).choice(sorted(FAMILIES)), seed
+
+
+@pytest.fixture
+def family(module_family) -> list[str]:
+    """module_family's overrides, the draw printed with each test (shown when it fails)."""
+    name, seed = module_family
+    print(f"model family {name}: module seed {seed} (ETRAIN_TEST_SEED={seed} draws the same)")
+    return FAMILIES[name]
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,7 @@ class S3Faults:
         self.down = False
         self.rules: list[tuple[str, re.Pattern, int]] = []
         self.failed: list[str] = []  # "METHOD path" of every request made to fail
+        self.served: list[tuple[str, str, int]] = []  # (method, path, bytes of the answer) of every request passed
         self._lock = threading.Lock()
         proxy = self
 
@@ -55,7 +56,7 @@ class S3Faults:
 
     def reset(self) -> None:
         with self._lock:
-            self.down, self.rules, self.failed = False, [], []
+            self.down, self.rules, self.failed, self.served = False, [], [], []
 
     @contextlib.contextmanager
     def outage(self):
@@ -84,6 +85,8 @@ class S3Faults:
         upstream.request(request.command, request.path, body=body, headers=headers)
         response = upstream.getresponse()
         data = response.read()
+        with self._lock:
+            self.served.append((request.command, request.path, len(data)))
         request.send_response(response.status, response.reason)
         head = request.command == "HEAD"  # its Content-Length is the object's size: passed through
         for k, v in response.getheaders():

@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Short timeouts so a broken path fails fast; no evaluations or checkpoints unless a test asks. A fixed
 # (equal) split, so runs compare bitwise: speed-based splits depend on timing (tests/test_comm.py has them).
+# the tiny preset's shape in each model family: what conftest.module_family draws from
+FAMILIES = {"gpt": [], "llama": ["model.family=llama", "model.n_kv_head=2", "model.tie_weights=false"]}
 FAST = [
     "cluster.warm_pool=1",
     "train.eval_every=0",

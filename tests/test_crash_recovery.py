@@ -19,7 +19,7 @@ from app.api import NAMESPACE
 from app.core.checkpoint import checkpoint_uri, load_latest
 from app.job import new_run_dir, train
 
-from runs import FAST, records, start_driver, wait_for_step
+from runs import FAMILIES, FAST, records, start_driver, wait_for_step
 
 STEPS = ["train.steps=24", "checkpoint.every=6"]
 
@@ -31,17 +31,18 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def reference(make_cfg_module) -> dict[int, float]:
-    cfg = make_cfg_module(*FAST, *STEPS, "run.name=reference")
+def reference(make_cfg_module, module_family) -> dict[int, float]:
+    """The uninterrupted run, of the module's model family (conftest.module_family): exact resume holds for each."""
+    cfg = make_cfg_module(*FAST, *STEPS, *FAMILIES[module_family[0]], "run.name=reference")
     run_dir = new_run_dir(cfg)
     train(cfg, run_dir, progress=False)
     return losses(run_dir)
 
 
 @pytest.mark.parametrize("victim", ["driver", "coordinator"])
-def test_killed_job_resumes_exactly(make_cfg, tmp_path, victim, reference):
+def test_killed_job_resumes_exactly(make_cfg, tmp_path, victim, reference, family):
     rng = random.Random(victim)
-    cfg = make_cfg(*FAST, *STEPS, f"run.name={victim}")
+    cfg = make_cfg(*FAST, *STEPS, *family, f"run.name={victim}")
     run_dir = Path(cfg.run.root) / cfg.run.name
     driver = start_driver(cfg, tmp_path)
     wait_for_step(run_dir, rng.randint(7, 17), driver)
@@ -68,10 +69,10 @@ def test_killed_job_resumes_exactly(make_cfg, tmp_path, victim, reference):
     assert resume["step"] in (6, 12, 18) and resume["step"] <= resume["reached_step"] <= crashed_at
 
 
-def test_interrupted_before_any_checkpoint_resumes_from_the_start_once(make_cfg, tmp_path, reference):
+def test_interrupted_before_any_checkpoint_resumes_from_the_start_once(make_cfg, tmp_path, reference, family):
     """Issue 15, defects 3 and 8: Ctrl-C ends the driver with one line and exit 130; a resume with no
     committed checkpoint starts from step 0, moves the steps it redoes aside and says why."""
-    cfg = make_cfg(*FAST, *STEPS, "checkpoint.every=0", "run.name=interrupted")
+    cfg = make_cfg(*FAST, *STEPS, *family, "checkpoint.every=0", "run.name=interrupted")
     run_dir = Path(cfg.run.root) / cfg.run.name
     driver = start_driver(cfg, tmp_path)
     wait_for_step(run_dir, 5, driver)
@@ -89,18 +90,19 @@ def test_interrupted_before_any_checkpoint_resumes_from_the_start_once(make_cfg,
     assert resume["records_redone"] >= interrupted_at and (run_dir / "metrics.redone.jsonl").exists()
 
 
-def test_a_worker_lost_beyond_recovery_then_resume_continues_bitwise(make_cfg, reference):
+def test_a_worker_lost_beyond_recovery_then_resume_continues_bitwise(make_cfg, reference, family):
     """README, "Determinism and resume": a job whose worker dies with no recovery left (cluster.max_recoveries=0)
     fails; `--resume` continues from its last checkpoint, and every step's loss equals the uninterrupted run's."""
     cfg = make_cfg(
-        *FAST, *STEPS, "run.name=worker-killed", "cluster.max_recoveries=0", "faults=[{rank: 1, step: 14, kind: kill}]"
-    )
+        *FAST, *STEPS, *family, "run.name=worker-killed", "cluster.max_recoveries=0",
+        "faults=[{rank: 1, step: 14, kind: kill}]",
+    )  # fmt: skip
     run_dir = new_run_dir(cfg)
     with pytest.raises(JobError, match="max_recoveries"):
         train(cfg, run_dir, progress=False)
     assert max(losses(run_dir)) == 13
     # the fault is not met again
-    train(make_cfg(*FAST, *STEPS, "run.name=worker-killed"), run_dir, resume=True, progress=False)
+    train(make_cfg(*FAST, *STEPS, *family, "run.name=worker-killed"), run_dir, resume=True, progress=False)
     assert losses(run_dir) == reference
     assert records(run_dir, "resume")[0]["step"] == 12
 

@@ -19,19 +19,21 @@ from app.core.optim import lr_factor
 from app.job import new_run_dir, train
 from pipelines.embedded import ensure_corpus
 
-from runs import FAST, records, run, run_scaled
+from runs import FAMILIES, FAST, records, run, run_scaled
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 @pytest.fixture(scope="module")
-def reference(make_cfg_module) -> Path:
-    return run(make_cfg_module, "reference", "train.steps=60", "train.eval_every=60")
+def reference(make_cfg_module, module_family) -> Path:
+    """The run without faults, of the module's model family (conftest.module_family): recovery holds for each."""
+    return run(make_cfg_module, "reference", *FAMILIES[module_family[0]], "train.steps=60", "train.eval_every=60")
 
 
 @pytest.mark.parametrize("kind", ["kill", "hang", "kill_in_allreduce"])
-def test_lost_worker_is_replaced_and_the_step_redone(make_cfg, reference, kind):
-    run_dir = run(make_cfg, f"fault-{kind}", "train.steps=60", "faults=[{rank: 1, step: 25, kind: " + kind + "}]")
+def test_lost_worker_is_replaced_and_the_step_redone(make_cfg, reference, kind, family):
+    fault = "faults=[{rank: 1, step: 25, kind: " + kind + "}]"
+    run_dir = run(make_cfg, f"fault-{kind}", *family, "train.steps=60", fault)
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, 61))  # nothing lost, nothing repeated
     first, *later = records(run_dir, "membership")
@@ -77,9 +79,9 @@ def test_autoscaling_grows_onto_free_room_with_linear_scaling(make_cfg):
     assert all(r["lr"] == pytest.approx(base[r["step"]] * r["world_size"] / 2, rel=1e-6) for r in steps)
 
 
-def test_scale_out_and_in_while_training_keeps_learning(make_cfg, reference):
+def test_scale_out_and_in_while_training_keeps_learning(make_cfg, reference, family):
     run_dir = run_scaled(
-        make_cfg, "elastic", (3, 2), "train.steps=60", "train.eval_every=60", "faults=[{rank: 0, step: 57}]"
+        make_cfg, "elastic", (3, 2), *family, "train.steps=60", "train.eval_every=60", "faults=[{rank: 0, step: 57}]"
     )
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == list(range(1, 61))

@@ -215,3 +215,47 @@ def test_export_writes_a_llama_run_for_transformers_and_refuses_a_gpt_one(rng, t
         assert main(["generate", str(run), "--prompt", "def main", "--max-new-tokens", "8"]) == 0
         said = capsys.readouterr()
         assert said.out.startswith("def main") and f"model: file://{run}/checkpoints/step-00000004" in said.err
+
+
+def test_a_hugging_face_directory_on_s3_is_read_a_tensor_at_a_time(s3_bucket, s3_faults, rng, tmp_path):
+    """An s3:// directory is a base as a local one is: its config, its weights (ranged reads of each tensor's bytes,
+    counted at the S3 server), the same digest; its tokenizer reads; a file cut short is refused naming it."""
+    import fsspec
+
+    from app.core.finetune import check_base, finetune_config
+    from app.generate import load
+    from pipelines import tokenizer
+
+    architecture = rng.choice(ARCHITECTURES)
+    theirs = reference(architecture, tiny_config(architecture, rng), rng.randrange(2**31))
+    theirs.save_pretrained(tmp_path / "local", max_shard_size="20KB")
+    tok = tokenizer.train_bpe(iter(["the cat sat on the mat. " * 4] * 8), theirs.config.vocab_size)
+    (tmp_path / "local" / "tokenizer.json").write_text(tok.text)
+    uri = f"{s3_bucket}/models/tiny"
+    fs = fsspec.filesystem("s3")
+    fs.put(str(tmp_path / "local") + "/", uri.removeprefix("s3://") + "/", recursive=True)
+    assert hf.is_model_dir(uri) and not hf.is_model_dir(f"{s3_bucket}/elsewhere")
+    assert hf.read_config(uri) == hf.read_config(tmp_path / "local")
+
+    local, remote = hf.Weights(tmp_path / "local"), hf.Weights(uri)
+    assert remote.shapes() == local.shapes()
+    name = rng.choice(sorted(remote))
+    s3_faults.reset()
+    one = remote[name]
+    assert torch.equal(one, local[name])
+    read = [size for method, path, size in s3_faults.served if method == "GET" and "safetensors" in path]
+    assert read == [one.numel() * one.element_size()]  # one ranged read of that tensor's bytes, not of its file
+    cfg = finetune_config(uri, "tiny", ["finetune.method=full"])
+    assert cfg.finetune.base == uri
+    assert cfg.finetune.base_digest == checkpoint.weights_digest(hf.read_weights(tmp_path / "local"))
+    check_base(cfg)
+    loaded = load(uri, torch.device("cpu"))
+    assert loaded.encode("the cat") == tok.tokenizer.encode("the cat").ids
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model.logits(tokens), theirs(tokens).logits)
+
+    files = sorted(fs.glob(uri.removeprefix("s3://") + "/*.safetensors"))
+    fs.pipe(files[-1], fs.cat(files[-1])[:-7])  # the last file cut short
+    with pytest.raises(ConfigError, match="do not match its shape"):
+        hf.read_weights(uri)

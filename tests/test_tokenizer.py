@@ -26,6 +26,8 @@ def test_a_learned_bpe_round_trips_text_and_ends_documents(tmp_path):
     (tmp_path / "tokenizer.json").write_text(tok.text)
     again = tokenizer.read_file(tmp_path)  # the directory that holds it
     assert again.sha256 == tok.sha256 and list(again.encode_document(TEXTS[0])) == list(tok.encode_document(TEXTS[0]))
+    together = tok.encode_documents(TEXTS)  # as prepare packs: in one call, each document as the library encodes it
+    assert [list(ids) for ids in together] == [[*tok.tokenizer.encode(t).ids, tok.eos] for t in TEXTS]
 
 
 def test_a_tokenizer_config_beside_the_file_names_its_eos(tmp_path):

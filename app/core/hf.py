@@ -1,21 +1,24 @@
 """Hugging Face model directories in and out: `config.json` onto our model section (family llama; what the Llama
 model does not implement refused by name), weights by name from `*.safetensors` (one file or an index of shards),
-and the same written back so that `transformers.AutoModelForCausalLM.from_pretrained` loads it. Local paths only:
-never a hub download."""
+and the same written back so that `transformers.AutoModelForCausalLM.from_pretrained` loads it. A directory is read
+on local disk or any fsspec URI (s3://...), a tensor at a time with ranged reads of its file; never a hub download.
+Written on local disk."""
 
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import fsspec
 import torch
 from pydantic import ValidationError
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from app.core.config import ConfigError, ModelConfig
+from app.core.storage import STORAGE_ERRORS
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 INDEX = "model.safetensors.index.json"
@@ -40,9 +43,10 @@ def read_config(directory: str | Path) -> ModelConfig:
     A sliding window (Mistral's) shorter than max_position_embeddings becomes the model's `seq_len`: within the
     window, sliding-window attention is full causal attention, so the model is exact there and a run may not go
     beyond it."""
-    path = Path(directory) / "config.json"
+    fs, root = fsspec.core.url_to_fs(str(directory))
+    path = posixpath.join(root, "config.json")
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(fs.cat_file(path))
     except FileNotFoundError:
         raise ConfigError(f"{directory} is not a Hugging Face model directory: it has no config.json") from None
     except json.JSONDecodeError as e:
@@ -56,7 +60,7 @@ def read_config(directory: str | Path) -> ModelConfig:
         raise ConfigError(f"{path} does not describe a model this trainer builds ({why})") from None
 
 
-def _architecture(cfg: dict, path: Path) -> str:
+def _architecture(cfg: dict, path: str) -> str:
     by_type = {family: arch for arch, family in ARCHITECTURES.items()}
     named = cfg.get("architectures") or [by_type.get(cfg.get("model_type"), f"of model_type {cfg.get('model_type')}")]
     if named[0] not in ARCHITECTURES:
@@ -66,7 +70,7 @@ def _architecture(cfg: dict, path: Path) -> str:
     return named[0]
 
 
-def _model(cfg: dict, path: Path) -> ModelConfig:
+def _model(cfg: dict, path: str) -> ModelConfig:
     family = ARCHITECTURES[_architecture(cfg, path)]
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{path}: hidden_act={cfg['hidden_act']} is not supported (the Llama family's is silu)")
@@ -118,42 +122,84 @@ def _inverse(names: dict[str, str]) -> dict[str, str]:
     return {ours: theirs for theirs, ours in names.items()}
 
 
-def files(directory: str | Path) -> dict[str, Path]:
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+class SafetensorsFile:
+    """One safetensors file on any fsspec filesystem, read a tensor at a time: its header (8 bytes of length, then
+    JSON naming each tensor's dtype, shape and byte range), then only the bytes of the tensor asked for."""
+
+    def __init__(self, fs, path: str):
+        self.fs, self.path = fs, path
+        size = fs.size(path)
+        length = int.from_bytes(fs.cat_file(path, start=0, end=8), "little")  # ranged reads: never the whole file
+        if not 0 < length <= size - 8:
+            raise ConfigError(f"{path} is not a safetensors file (its header's length says {length} bytes)")
+        header = json.loads(fs.cat_file(path, start=8, end=8 + length))
+        header.pop("__metadata__", None)
+        self.start, self.size, self.entries = 8 + length, size, header
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> torch.Size:
+        return torch.Size(self.entries[name]["shape"])
+
+    def tensor(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        dtype, shape = DTYPES.get(entry["dtype"]), torch.Size(entry["shape"])
+        begin, end = entry["data_offsets"]
+        if dtype is None:
+            raise ConfigError(f"{self.path}: tensor {name} has dtype {entry['dtype']}, which is not read here")
+        if end - begin != shape.numel() * dtype.itemsize or self.start + end > self.size:
+            raise ConfigError(f"{self.path}: tensor {name}'s bytes do not match its shape {tuple(shape)}: cut short?")
+        if shape.numel() == 0:
+            return torch.empty(shape, dtype=dtype)
+        data = self.fs.cat_file(self.path, start=self.start + begin, end=self.start + end)
+        return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+
+
+def files(directory: str | Path) -> dict[str, SafetensorsFile]:
     """Each tensor's file: from the index of a sharded directory, or the one model.safetensors."""
-    directory = Path(directory)
-    if (directory / INDEX).exists():
-        index = json.loads((directory / INDEX).read_text())["weight_map"]
-        return {name: directory / file for name, file in index.items()}
-    single = directory / "model.safetensors"
-    if not single.exists():
+    fs, root = fsspec.core.url_to_fs(str(directory))
+    if fs.isfile(posixpath.join(root, INDEX)):
+        index = json.loads(fs.cat_file(posixpath.join(root, INDEX)))["weight_map"]
+        opened = {file: SafetensorsFile(fs, posixpath.join(root, file)) for file in set(index.values())}
+        return {name: opened[file] for name, file in index.items()}
+    single = posixpath.join(root, "model.safetensors")
+    if not fs.isfile(single):
         raise ConfigError(f"{directory} holds no model.safetensors and no {INDEX}")
-    with safe_open(single, "pt") as f:
-        return {name: single for name in f.keys()}
+    opened = SafetensorsFile(fs, single)
+    return dict.fromkeys(opened.keys(), opened)
 
 
 def is_model_dir(source: str) -> bool:
-    """A local Hugging Face model directory: config.json beside model.safetensors or its index."""
-    path = Path(source)
-    return (
-        "://" not in source
-        and (path / "config.json").is_file()
-        and any((path / name).is_file() for name in ("model.safetensors", INDEX))
-    )
+    """A Hugging Face model directory (local or at an fsspec URI): config.json beside model.safetensors or its
+    index. Another URI that cannot be read is not one (the caller's own reading names its error)."""
+    try:
+        fs, root = fsspec.core.url_to_fs(str(source))
+        return fs.isfile(posixpath.join(root, "config.json")) and any(
+            fs.isfile(posixpath.join(root, name)) for name in ("model.safetensors", INDEX)
+        )
+    except (*STORAGE_ERRORS, ValueError):
+        return False
 
 
 class Weights(Mapping):
-    """A Hugging Face directory's weights by our names, each read when asked for (safetensors reads one tensor
-    without the rest of its file): a base's shapes and digest without the whole model in memory."""
+    """A Hugging Face directory's weights by our names, each read when asked for (only that tensor's bytes of its
+    file): a base's shapes and digest without the whole model in memory."""
 
     def __init__(self, directory: str | Path):
-        self._files = {ours: (path, theirs) for theirs, path in files(directory).items() if (ours := our_name(theirs))}
+        self._files = {ours: (f, theirs) for theirs, f in files(directory).items() if (ours := our_name(theirs))}
         if "head.weight" not in self._files and "embed.weight" in self._files:  # tied: the head is the embedding
             self._files["head.weight"] = self._files["embed.weight"]
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        path, theirs = self._files[name]
-        with safe_open(path, "pt") as f:
-            return f.get_tensor(theirs)
+        file, theirs = self._files[name]
+        return file.tensor(theirs)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
@@ -162,27 +208,13 @@ class Weights(Mapping):
         return len(self._files)
 
     def shapes(self) -> dict[str, torch.Size]:
-        shapes = {}
-        for name, (path, theirs) in self._files.items():
-            with safe_open(path, "pt") as f:
-                shapes[name] = torch.Size(f.get_slice(theirs).get_shape())
-        return shapes
+        return {name: file.shape(theirs) for name, (file, theirs) in self._files.items()}
 
 
 def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
-    """The weights of a Hugging Face directory by our names (a tied head as the embedding), each file opened once."""
-    by_file: dict[Path, list[str]] = {}
-    for theirs, path in files(directory).items():
-        if our_name(theirs) is not None:
-            by_file.setdefault(path, []).append(theirs)
-    weights = {}
-    for path, names in by_file.items():
-        with safe_open(path, "pt") as f:
-            for theirs in names:
-                weights[our_name(theirs)] = f.get_tensor(theirs)
-    if "head.weight" not in weights and "embed.weight" in weights:
-        weights["head.weight"] = weights["embed.weight"]
-    return weights
+    """The weights of a Hugging Face directory by our names (a tied head as the embedding)."""
+    weights = Weights(directory)
+    return {name: weights[name] for name in weights}
 
 
 def write(model_state: dict[str, torch.Tensor], args: ModelConfig, out: str | Path, shard_bytes: int = 2 << 30) -> None:
