@@ -75,36 +75,15 @@ def speed_config(variant: str, args):
 
 def run_plain(args) -> dict:
     """The Llama model in a plain torch loop: the same samples in the same order, AdamW, clipping, the schedule."""
-    import numpy as np
     import torch
-    from throughput import layout_of
+    from throughput import plain_loop
 
     from app.core.model import make_model
-    from app.core.optim import make_optimizer, make_scheduler
-    from pipelines import order
-    from pipelines.embedded import ensure_corpus
-    from pipelines.shards import ShardReader
 
     cfg = speed_config("plain_llama", args)
-    torch.set_num_threads(2)
-    manifest = ensure_corpus(cfg)
-    reader, layout = ShardReader(manifest, "train"), layout_of(manifest, cfg)
     torch.manual_seed(cfg.train.seed)
     model = make_model(cfg.model)
-    optimizer = make_optimizer(model, cfg.optim)
-    scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    times = []
-    for step in range(cfg.train.steps):
-        ids = order.take(layout, step * cfg.train.global_batch, cfg.train.global_batch)
-        rows = torch.from_numpy(reader.get(ids).astype(np.int64))
-        optimizer.zero_grad(set_to_none=True)
-        _, loss = model(rows[:, :-1], rows[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        times.append(time.time())
-    return {"times": times, "params": model.num_params()}
+    return {"times": plain_loop(cfg, model, threads=2), "params": model.num_params()}
 
 
 def run_ours(variant: str, args) -> dict:

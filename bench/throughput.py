@@ -62,23 +62,31 @@ def steady_tokens_per_s(times: list[float], tokens_per_step: int) -> float:
 
 
 def run_plain(args) -> list[float]:
-    import numpy as np
     import torch
 
     from app.core.config import load_config
     from app.core.model import GPT
+
+    cfg = load_config("tiny", overrides(args, 1, args.cpus))
+    torch.manual_seed(cfg.train.seed)
+    return plain_loop(cfg, GPT(cfg.model), args.cpus)
+
+
+def plain_loop(cfg, model, threads: int) -> list[float]:
+    """The step in plain torch: our sample order from the same shards, AdamW, clipping, the schedule; each step's
+    end time."""
+    import numpy as np
+    import torch
+
     from app.core.optim import make_optimizer, make_scheduler
     from pipelines import order
     from pipelines.embedded import ensure_corpus
     from pipelines.shards import ShardReader
 
-    cfg = load_config("tiny", overrides(args, 1, args.cpus))
-    torch.set_num_threads(args.cpus)
+    torch.set_num_threads(threads)
     manifest = ensure_corpus(cfg)
     reader = ShardReader(manifest, "train")
     layout = layout_of(manifest, cfg)
-    torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model)
     optimizer = make_optimizer(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.train.steps)
     times = []
