@@ -4,6 +4,7 @@ tensor (TP's backward collectives, the pipeline's, the tied weights' and the rep
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from app.cli import main
-from app.core import sharded_checkpoint
+from app.core import hf, sharded_checkpoint
 from app.core.config import ModelConfig, OptimConfig, ParallelConfig, load_config
 from app.core.layout_state import full_state, load_full, whole
 from app.core.local_ranks import local_group
@@ -124,15 +125,31 @@ LLAMA = ModelConfig(family="llama", n_layer=4, n_head=4, n_kv_head=2, d_model=32
 LLAMA_LAYOUTS = {"pp2": dict(pp=2, microbatches=4), "shard2": dict(shard=2), "tp2xshard2": dict(tp=2, shard=2)}
 
 
-def test_the_llama_family_follows_the_single_process_at_tp2_and_a_drawn_layout(rng):
+def train_from_directory(rank: int, world: int, layout: dict, directory: str) -> tuple[list[float], dict, int]:
+    """train_rank from the initial weights written as a Hugging Face directory; the bytes of tensors this rank read."""
+    weights = hf.Weights(directory)
+    losses, grads, _ = train_rank(rank, world, layout, range(STEPS), {"model": weights, "optim": {}}, False, LLAMA)
+    return losses, grads, weights.read_bytes()
+
+
+def test_the_llama_family_follows_the_single_process_at_tp2_and_a_drawn_layout(rng, tmp_path):
     """Llama's own tensor-parallel plan (q, k, v, gate, up by column; o, down by row; two key/value heads, one per
-    rank), then a layout drawn from a printed seed: the same losses and first gradients as one process."""
+    rank), then a layout drawn from a printed seed: the same losses and first gradients as one process. The ranks
+    start from the initial weights written as a Hugging Face directory, each reading what it holds: rows of a
+    tensor cut on dim 0 alone, so no rank reads the whole model."""
     expected_losses, expected_grads = single_process(LLAMA)
+    with torch.device("meta"):
+        names = list(make_model(LLAMA).state_dict())
+    initial = InitialWeights(LLAMA, 0)
+    hf.write({n: initial[n] for n in names}, LLAMA, tmp_path)
+    whole_bytes = json.loads((tmp_path / hf.INDEX).read_text())["metadata"]["total_size"]
     drawn = rng.choice(sorted(LLAMA_LAYOUTS))
     print("llama in tp2 and", drawn)
     for layout in (dict(tp=2), LLAMA_LAYOUTS[drawn]):
-        results = local_group(ParallelConfig(**layout).ranks, train_rank, layout, range(STEPS), None, False, LLAMA)
-        for rank, (losses, grads, _) in results.items():
+        results = local_group(ParallelConfig(**layout).ranks, train_from_directory, layout, str(tmp_path))
+        for rank, (losses, grads, read) in results.items():
+            if not ("tp" in layout and "shard" in layout):  # a tensor cut on two mesh dimensions: read whole, cut
+                assert read < whole_bytes * 0.8, f"{layout} rank {rank} read {read} of {whole_bytes} bytes"
             assert losses == pytest.approx(expected_losses, rel=1e-4), f"{layout} rank {rank}"
             for name, grad in grads.items():
                 twin = "embed.weight" if name == "head.weight" else name

@@ -141,6 +141,7 @@ class SafetensorsFile:
         header = json.loads(fs.cat_file(path, start=8, end=8 + length))
         header.pop("__metadata__", None)
         self.start, self.size, self.entries = 8 + length, size, header
+        self.read_bytes = 0  # of tensors, since opened
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -149,6 +150,17 @@ class SafetensorsFile:
         return torch.Size(self.entries[name]["shape"])
 
     def tensor(self, name: str) -> torch.Tensor:
+        dtype, shape, begin = self._checked(name)
+        return self._read(dtype, shape, begin)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a tensor (dim 0): one contiguous range of its bytes, read alone."""
+        dtype, shape, begin = self._checked(name)
+        row = shape[1:].numel() * dtype.itemsize
+        return self._read(dtype, torch.Size((stop - start, *shape[1:])), begin + start * row)
+
+    def _checked(self, name: str) -> tuple[torch.dtype, torch.Size, int]:
+        """A tensor's dtype, shape and first byte, its entry held to the file: ConfigError naming what is wrong."""
         entry = self.entries[name]
         dtype, shape = DTYPES.get(entry["dtype"]), torch.Size(entry["shape"])
         begin, end = entry["data_offsets"]
@@ -156,9 +168,14 @@ class SafetensorsFile:
             raise ConfigError(f"{self.path}: tensor {name} has dtype {entry['dtype']}, which is not read here")
         if end - begin != shape.numel() * dtype.itemsize or self.start + end > self.size:
             raise ConfigError(f"{self.path}: tensor {name}'s bytes do not match its shape {tuple(shape)}: cut short?")
+        return dtype, shape, begin
+
+    def _read(self, dtype: torch.dtype, shape: torch.Size, begin: int) -> torch.Tensor:
         if shape.numel() == 0:
             return torch.empty(shape, dtype=dtype)
+        end = begin + shape.numel() * dtype.itemsize
         data = self.fs.cat_file(self.path, start=self.start + begin, end=self.start + end)
+        self.read_bytes += len(data)
         return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
@@ -200,6 +217,14 @@ class Weights(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         file, theirs = self._files[name]
         return file.tensor(theirs)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a tensor alone: what a rank holding them reads (layout_state.load_full)."""
+        file, theirs = self._files[name]
+        return file.rows(theirs, start, stop)
+
+    def read_bytes(self) -> int:
+        return sum(file.read_bytes for file in {id(f): f for f, _ in self._files.values()}.values())
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from app.core.parallel import Replica, shard_of
 from app.core.sharded_checkpoint import optim_name
@@ -41,14 +41,34 @@ def full_state(replica: Replica, optimizer: torch.optim.Optimizer) -> dict | Non
 
 
 def load_full(replica: Replica, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Each rank takes its part of a whole-model state (full_state's, from any layout)."""
+    """Each rank takes its part of a whole-model state (full_state's, from any layout). A source that reads a range
+    of rows alone (a Hugging Face directory's `rows`) gives a rank holding one range of a tensor's rows only those."""
+    source = state["model"]
     with torch.no_grad():
         for name, t in replica.model.state_dict().items():
-            shard_of(t).copy_(_part(state["model"][name], t))
+            rows = _rows(t) if hasattr(source, "rows") else None
+            shard_of(t).copy_(source.rows(name, *rows) if rows else _part(source[name], t))
     for name, p in replica.model.named_parameters():
         saved = state["optim"].get(optim_name(name, replica.tied))
         if saved is not None:
             optimizer.state[p] = {k: _held_as(p, v) if torch.is_tensor(v) else v for k, v in saved.items()}
+
+
+def _rows(like: torch.Tensor) -> tuple[int, int] | None:
+    """The rows [start, stop) of the whole tensor this rank holds of `like`, where they are one range: a DTensor
+    cut on dim 0 along one mesh dimension (FSDP's chunks, TP's column split), replicated along any other. None
+    otherwise (a whole tensor, a row-parallel split on dim 1, TP and FSDP both on dim 0): then the rank cuts its
+    part from the whole tensor."""
+    if not isinstance(like, DTensor):
+        return None
+    cut = [(i, p) for i, p in enumerate(like.placements) if not p.is_replicate()]
+    if len(cut) != 1 or type(cut[0][1]) is not Shard or cut[0][1].dim != 0:
+        return None
+    dim = cut[0][0]
+    length, ranks = like.shape[0], like.device_mesh.size(dim)
+    chunk = -(-length // ranks)  # torch.chunk's, as DTensor's Shard cuts
+    start = min(like.device_mesh.get_local_rank(dim) * chunk, length)
+    return start, min(start + chunk, length)
 
 
 def _part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
