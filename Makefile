@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-unit bench cluster-up cluster-down clean-venv
+.PHONY: demo test test-unit test-campaign bench cluster-up cluster-down clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ test: $(STAMP)  ## lint and format check (ruff), then the whole test suite on on
 
 test-unit: $(STAMP)  ## the tests that need no Ray (seconds): the fast loop while editing
 	$(PY) -m pytest -m unit -q
+
+test-campaign: $(STAMP)  ## the scenarios of minutes `make test` leaves out (an autoscaler's cluster: the README recipe, preemption, the health drill); run before changing scaling, draining or health
+	$(PY) -m pytest --campaign -m campaign
 
 bench: $(STAMP)  ## throughput vs plain torch and Ray Train, written to bench/results/
 	$(PY) bench/throughput.py

@@ -16,7 +16,7 @@ from app.core.config import Config, load_config
 from app.core.ports import free_port
 
 from faults import S3Faults
-from runs import FAMILIES
+from runs import FAMILIES, SESSION_SEED
 
 
 @pytest.fixture(scope="session")
@@ -77,10 +77,26 @@ def s3_bucket(s3_server, request) -> str:
 E2E = ("test_cluster_e2e.py", "test_notebooks.py")
 
 
-def pytest_collection_modifyitems(items):
+def pytest_report_header(config) -> str:
+    return f"cases drawn at collection: seed {SESSION_SEED} (ETRAIN_TEST_SEED={SESSION_SEED} draws the same)"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--campaign",
+        action="store_true",
+        help="run the campaign's scenarios too (minutes each; `make test-campaign`); `make test` deselects them",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
     for item in items:
         tier = "e2e" if item.path.name in E2E else "ray" if "ray_session" in item.fixturenames else "unit"
         item.add_marker(tier)
+    if not config.getoption("--campaign"):  # deselected, not skipped: the summary counts them apart
+        left = [item for item in items if item.get_closest_marker("campaign")]
+        config.hook.pytest_deselected(items=left)
+        items[:] = [item for item in items if not item.get_closest_marker("campaign")]
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -20,6 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Short timeouts so a broken path fails fast; no evaluations or checkpoints unless a test asks. A fixed
 # (equal) split, so runs compare bitwise: speed-based splits depend on timing (tests/test_comm.py has them).
+# Collection's draws (`drawn`): conftest prints the seed in the session's header
+SESSION_SEED = int(os.environ.get("ETRAIN_TEST_SEED") or random.SystemRandom().randrange(2**32))
+
+
+def drawn(cases: list, k: int, test: str) -> list:
+    """`k` of a parametrized test's `cases`, drawn from the session's seed and the test's name: a run pays for k of
+    them, and every case is met over runs (the engine tests without Ray hold every layout in every run)."""
+    return random.Random(f"{SESSION_SEED}:{test}").sample(cases, k)
+
+
 # the tiny preset's shape in each model family: what conftest.module_family draws from
 FAMILIES = {"gpt": [], "llama": ["model.family=llama", "model.n_kv_head=2", "model.tie_weights=false"]}
 FAST = [

@@ -122,6 +122,7 @@ def memberships(run_dir: Path) -> list[dict]:
     return [r for r in read_jsonl(path) if r["kind"] == "membership"] if path.exists() else []
 
 
+@pytest.mark.campaign
 def test_the_readme_recipe_grows_the_job_onto_a_node_the_autoscaler_adds(cluster, data_dir, tmp_path):
     """Issue 16, item 1: the README's "Without a cloud" recipe, `--config tiny` (no warm pool) with
     cluster.max_workers=2, grows: the autoscaler adds a node for the job's reserved room, a worker
@@ -160,6 +161,7 @@ def test_submitted_job_grows_onto_a_new_node_and_survives_a_killed_worker(cluste
     assert "scale-out 1 -> 2 workers" in logs and "recover 2 -> 2 workers" in logs
 
 
+@pytest.mark.campaign
 def test_preemption_notice_moves_workers_off_the_node(cluster, data_dir, tmp_path):
     job = submit(cluster, data_dir, tmp_path, "preempt", "train.steps=200")
     run_dir = tmp_path / "preempt"
@@ -216,6 +218,7 @@ def own_cluster(tmp_path_factory):
     assert not c.processes(), "a process of the cluster outlived its stop"
 
 
+@pytest.mark.campaign
 def test_failing_nodes_are_drained_before_they_fail_and_a_noisy_one_is_not(own_cluster, data_dir, tmp_path):
     """Issue 21, two scenarios in one job. Rank 1 slows a little more each step from step 40 and would die at step
     170; later, from step 130, the node rank 1 is on then reports single-bit ECC errors at a rising rate (a drill:

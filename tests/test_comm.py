@@ -18,7 +18,7 @@ from app.core.optim import lr_factor
 from app.job import train
 from pipelines.embedded import ensure_corpus
 
-from runs import records, run, run_scaled
+from runs import drawn, records, run, run_scaled
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -54,7 +54,9 @@ def test_a_straggler_gets_a_smaller_share_and_every_step_keeps_its_batch(make_cf
 # compressed steps before it starts over on the new norms; PowerSGD ended 11% above uncompressed here at 80 steps,
 # and +17% in bench/comm.py over longer runs: these bounds say "learns nearly as well", the bench measures it).
 # bf16 is fp16's path with torch's other hook: its round trip is in tests/test_compress.py.
-@pytest.mark.parametrize("mode, most, off", [("fp16", 0.5, 0.01), ("topk", 0.11, 0.4), ("powersgd", 0.5, 0.2)])
+@pytest.mark.parametrize(
+    "mode, most, off", drawn([("fp16", 0.5, 0.01), ("topk", 0.11, 0.4), ("powersgd", 0.5, 0.2)], 2, "compressed")
+)
 def test_compressed_runs_learn_and_send_fewer_bytes(make_cfg, reference, mode, most, off):
     run_dir = run(
         make_cfg, f"compress-{mode}", f"train.steps={STEPS}", f"comm.compression={mode}", "comm.compress_start=5"

@@ -19,7 +19,7 @@ from app.core.sharded_checkpoint import SavedWeights, whole_state
 from app.job import new_run_dir, train
 from app.report import write_report
 
-from runs import FAST, records, run
+from runs import FAST, drawn, records, run
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -62,7 +62,7 @@ def single(make_cfg_module):
     return reference
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", drawn(list(LAYOUTS), 2, "laid_out_job"))
 def test_a_laid_out_job_trains_and_evaluates_as_one_whole_model_worker(single, make_cfg, layout):
     cfg = make_cfg(*BASE, f"run.name={layout}", f"train.eval_every={STEPS}", *LAYOUTS[layout])
     run_dir = new_run_dir(cfg)
@@ -81,7 +81,7 @@ def test_a_laid_out_job_trains_and_evaluates_as_one_whole_model_worker(single, m
     assert all(rss > whole for rss in last["peak_rss"])
 
 
-@pytest.mark.parametrize("layout", ["tp=2", "shard=2"])
+@pytest.mark.parametrize("layout", drawn(["tp=2", "shard=2"], 1, "rank_lost"))
 def test_a_rank_lost_takes_its_replica_out_and_a_replica_formed_from_the_pool_takes_its_place(
     single, make_cfg, rng, layout
 ):
@@ -128,7 +128,7 @@ def test_a_rank_lost_takes_its_replica_out_and_a_replica_formed_from_the_pool_ta
     assert f"tp {tp} × pp 1{' × shard 2' if shard > 1 else ''}; replicas 1–2" in report["html"].read_text()
 
 
-@pytest.mark.parametrize("layout", ["tp=2", "shard=2"])
+@pytest.mark.parametrize("layout", drawn(["tp=2", "shard=2"], 1, "one_replica_loses"))
 def test_a_one_replica_layout_that_loses_a_rank_goes_back_to_its_checkpoint_and_goes_on(single, make_cfg, rng, layout):
     """Issue 27, defect 12: one replica of tp=2 losing a rank said "no worker left" while the other rank lived, and
     the `--resume` it suggested fired the injected fault again. No live replica holds the lost rank's part, so the
@@ -158,18 +158,16 @@ def test_a_one_replica_layout_that_loses_a_rank_goes_back_to_its_checkpoint_and_
 
 @pytest.mark.parametrize(
     "saved_by, resumed_by, on",
-    [
-        ("tp2xpp2", "single", "s3"),
-        ("single", "tp2", "disk"),
-        ("tp2xshard2", "shard2", "s3"),
-        ("shard2", "single", "disk"),
-    ],
-    ids=[
-        "tp2xpp2-to-single-on-s3",
-        "single-to-tp2-on-disk",
-        "tp2xshard2-to-shard2-on-s3",
-        "shard2-to-single-on-disk",
-    ],
+    drawn(
+        [
+            pytest.param("tp2xpp2", "single", "s3", id="tp2xpp2-to-single-on-s3"),
+            pytest.param("single", "tp2", "disk", id="single-to-tp2-on-disk"),
+            pytest.param("tp2xshard2", "shard2", "s3", id="tp2xshard2-to-shard2-on-s3"),
+            pytest.param("shard2", "single", "disk", id="shard2-to-single-on-disk"),
+        ],
+        2,
+        "resumes_in_another_layout",
+    ),
 )
 def test_a_checkpoint_resumes_in_another_layout_on_the_same_trajectory(
     single, make_cfg, s3_bucket, saved_by, resumed_by, on
