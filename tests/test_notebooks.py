@@ -9,7 +9,17 @@ from pathlib import Path
 import nbformat
 import pytest
 import ray
+import torch
+import transformers
+import yaml
 from nbclient import NotebookClient
+from tokenizers import Tokenizer
+
+from app.core import checkpoint
+from app.core.checkpoint import checkpoint_uri, load_latest
+from app.core.config import validate
+from app.core.finetune import build_model, load_trained_state
+from app.core.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,3 +87,37 @@ def test_finetune_notebook_fine_tunes_exports_and_runs_ppo(data_dir, tmp_path):
     nb = execute("04_finetune.ipynb", env | {"ETRAIN_NB_SET": SMALL}, tmp_path / "tmp")
     # the learning curves, PPO's reward and KL; the notebook asserts the parameter share and the merged logits
     assert images(nb) == 2
+
+
+def test_bring_your_model_notebook_takes_a_directory_in_trains_and_gives_it_back(tmp_path):
+    """README.md's "Bring your model", as the notebook runs it with the README's commands: a tiny random Llama made
+    by examples/tiny_llama.py, a corpus prepared with its tokenizer, continued pre-training, LoRA on the result, a
+    merged export back to a Hugging Face directory whose logits in `transformers` are the LoRA run's, and a greedy
+    continuation that `transformers` generates token for token."""
+    work = tmp_path / "work"
+    work.mkdir()
+    fast = json.dumps(["cluster.warm_pool=0", "train.eval_every=0", "checkpoint.every=0", "cluster.num_workers=1"])
+    nb = execute("05_bring_your_model.ipynb", {"ETRAIN_NB_STEPS": "10", "ETRAIN_NB_WORK": str(work),
+                                               "ETRAIN_NB_SET": fast}, tmp_path / "tmp")  # fmt: skip
+    assert images(nb) == 1  # the two runs' losses
+    for run in ("llama-cpt", "llama-lora"):
+        losses = [r["loss"] for r in read_jsonl(work / "runs" / run / "metrics.jsonl") if r["kind"] == "train"]
+        assert len(losses) == 10 and losses[-1] < losses[0], run
+    out = work / "models" / "tiny-llama-tuned"
+    assert (out / "tokenizer.json").read_text() == (work / "corpus" / "tokenizer.json").read_text()
+
+    run_dir = work / "runs" / "llama-lora"
+    cfg = validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    ours = build_model(cfg).eval()  # the base run's weights with the LoRA run's adapters
+    load_trained_state(ours, checkpoint.model_weights(load_latest(checkpoint_uri(cfg, run_dir)).parts))
+    assert any(n.endswith("attn.o.lora_a") for n in ours.state_dict())
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours.logits(tokens), rtol=1e-4, atol=1e-5)
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    prompt = tok.encode("Elastic training").ids
+    want = theirs.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=0)
+    printed = "".join(o.get("text", "") for o in nb.cells[-3].outputs if o.get("name") == "stdout")
+    assert printed.strip().splitlines()[-1] == "Elastic training" + tok.decode(want[0, len(prompt) :].tolist())
