@@ -54,9 +54,9 @@ def gpt_of_equal_size() -> list[str]:
             return make_model(cfg.model).num_params()
 
     target = count(load_config("llama-tiny", LLAMA))
-    shape = [o for o in LLAMA if not o.startswith(("model.family", "model.n_kv_head"))]
-    # GPT's MLP is fixed at 4·d: match the count with its width instead, in steps of the head count
-    widths = range(128, 512, 4)
+    shape = [o for o in LLAMA if not o.startswith(("model.family", "model.n_kv_head", "model.d_model"))]
+    # GPT's MLP is fixed at 4·d: match the count with its width instead
+    widths = range(128, 512, 8)  # head widths even (rotary)
     best = min(widths, key=lambda d: abs(count(load_config("tiny", [*shape, f"model.d_model={d}"])) - target))
     return [*shape, f"model.d_model={best}"]
 
