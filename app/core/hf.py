@@ -211,7 +211,8 @@ class Weights(Mapping):
 
     def __init__(self, directory: str | Path):
         self._files = {ours: (f, theirs) for theirs, f in files(directory).items() if (ours := our_name(theirs))}
-        if "head.weight" not in self._files and "embed.weight" in self._files:  # tied: the head is the embedding
+        self.tied = "head.weight" not in self._files and "embed.weight" in self._files
+        if self.tied:  # the head is the embedding
             self._files["head.weight"] = self._files["embed.weight"]
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -239,7 +240,10 @@ class Weights(Mapping):
 def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     """The weights of a Hugging Face directory by our names (a tied head as the embedding)."""
     weights = Weights(directory)
-    return {name: weights[name] for name in weights}
+    whole = {name: weights[name] for name in weights if name != "head.weight" or not weights.tied}
+    if weights.tied:  # the head is the embedding: read once
+        whole["head.weight"] = whole["embed.weight"]
+    return whole
 
 
 def write(model_state: dict[str, torch.Tensor], args: ModelConfig, out: str | Path, shard_bytes: int = 2 << 30) -> None:
