@@ -42,6 +42,7 @@ class Observation:
     evaluation_due: bool = False
     checkpoint_due: bool = False
     draining: int = 0  # members on draining nodes (preempted, or at risk): they leave at this boundary
+    outer_step: bool = True  # the last step ended a window (DiLoCo): a resize waits for one unless a node drains
 
 
 def next_state(state: State, obs: Observation) -> State:
@@ -55,15 +56,18 @@ def next_state(state: State, obs: Observation) -> State:
         return State.CHECKPOINTING
     if obs.step >= obs.total_steps:
         return State.FINISHED
-    if obs.target != obs.world or obs.draining:
+    if obs.draining or (obs.target != obs.world and obs.outer_step):
         return State.RESIZING
     return State.RUNNING
 
 
-def due(step: int, every: int, total: int) -> bool:
+def due(step: int, every: int, total: int, window: int = 1) -> bool:
     """Whether a periodic act (an evaluation, a full checkpoint) is due after `step`: every `every`
-    steps (0: never), and always after the last step."""
-    return step == total or (every > 0 and step % every == 0)
+    steps (0: never), and always after the last step. With `window` > 1 (DiLoCo's inner steps, config `window`)
+    one that falls due inside a window waits for its end, where the workers hold one model."""
+    if step % window and step != total:
+        return False
+    return any(s == total or (every > 0 and s % every == 0) for s in range(step - (step - 1) % window, step + 1))
 
 
 def autoscale(world: int, free_slots: int, ready: int, idle: int, max_workers: int, warm_pool: int) -> int:

@@ -34,11 +34,13 @@ from actors.gather import WorkersLost
 from actors.guards import Guards
 from actors.health_watch import HealthWatch
 from actors.membership import Lost, Team, whole_replicas
+from actors.outer_steps import OuterSteps
 from actors.runlog import RunLog
 from actors.saving import RewindPoint, Saver
 from actors.status_file import StatusFile
 from actors.step import Position, Stepper, evaluate
 from app.core.checkpoint import checkpoint_uri
+from app.core.comm_model import advise
 from app.core.config import Config
 from app.core.errors import why
 from app.core.lease import Lease
@@ -64,6 +66,7 @@ class Coordinator:
         parts = (cfg, self.team, self.data, self.balancer, self.guards, self.faults, self.saver, self.log)
         self.scorers = _start_scorers(cfg) if cfg.ppo.reward else None  # PPO: the reference model, the reward
         self.stepper = _ppo_stepper(parts, self.scorers) if self.scorers else Stepper(*parts)
+        self.outer = OuterSteps(cfg)
         self.lost: Lost | None = None  # members lost: the next decision is a recovery
         self.saved_step = self.evaluated_step = 0
 
@@ -130,9 +133,10 @@ class Coordinator:
             lost=len(self.lost.members) if self.lost else 0,
             recoveries=self.team.recoveries,
             max_recoveries=c.cluster.max_recoveries,
-            evaluation_due=due(step, c.train.eval_every, c.train.steps) and self.evaluated_step != step,
+            evaluation_due=due(step, c.train.eval_every, c.train.steps, c.window) and self.evaluated_step != step,
             checkpoint_due=self.saver.level(step) is not None and self.saved_step != step,
             draining=self.team.draining_members(),
+            outer_step=self.outer.start.step == step,
         )
         self.phase = next_state(self.phase, obs)
         return self.phase
@@ -141,6 +145,7 @@ class Coordinator:
 
     def _step(self) -> Lost | None:
         outcome = self.stepper.run(self.at)
+        self.outer.stepped(self.at)
         if outcome.diverged:
             return self._roll_back_nan()
         if outcome.lost:
@@ -180,6 +185,7 @@ class Coordinator:
 
     def _resize(self) -> Lost | None:
         self.saver.finish()  # writers may be leaving
+        self._to_outer_step("a drain")
         try:
             whole = self.team.consolidate() if self._sharded() else None  # before anyone leaves: every shard is needed
         except WorkersLost as gone:  # a member is gone: recovery goes back to the last checkpoint
@@ -191,6 +197,7 @@ class Coordinator:
         made some of its updates, and with a layout whose every replica lost a rank no live twin holds the lost
         ranks' parts: everyone goes back to the last checkpoint."""
         self.saver.finish()  # a lost writer fails it; the others' parts are of a good step
+        self._to_outer_step("a lost worker")
         whole = None
         if why := self._needs_rollback():
             point = self.saver.rollback_point(self.cfg.hash(), why, self.hint)
@@ -228,6 +235,7 @@ class Coordinator:
         reached = (self.saver.reached() or meta["step"]) if kind == "resume" else self.at.step
         self.at.step, self.at.cursor = meta["step"], meta["cursor"]
         self.saved_step = self.evaluated_step = self.at.step
+        self.outer.landed(self.at)
         self.saver.rewound(point)
         self.guards.load(meta, resume=kind == "resume")
         self.stepper.load(meta)
@@ -245,6 +253,30 @@ class Coordinator:
                 reached_step=reached,
                 records_redone=self.log.rewind(self.at.step),
                 load_s=load_s,
+            )
+        )
+
+    def _to_outer_step(self, why: str) -> None:
+        """DiLoCo: a change of members between outer steps goes back to the last one. The survivors redo the window's
+        inner steps with the new group (each worker restores its state of that step as it rejoins: worker/diloco.py),
+        and the cursor goes back with them, so every sample still counts once."""
+        start = self.outer.start
+        if start.step == self.at.step:
+            return
+        reached = self.at.step
+        self.at.step, self.at.cursor = start.step, start.cursor
+        self.saved_step, self.evaluated_step = min(self.saved_step, start.step), min(self.evaluated_step, start.step)
+        self.log.record(
+            Rewind(
+                step=start.step,
+                kind="outer",
+                path=None,
+                level=None,
+                base=None,
+                reason=f"{why} between outer steps: the window is redone",
+                reached_step=reached,
+                records_redone=self.log.rewind(start.step),
+                load_s=None,
             )
         )
 
@@ -350,8 +382,15 @@ class Coordinator:
             "health": self.health.status(),
             "balanced": self.balancer.balanced,
             "comm": self.cfg.comm.mode,
+            "communication": self._communication(),
             "members": team.members(),
         }
+
+    def _communication(self) -> str | None:
+        """Whether communication bounds the run, and what another mode would save (app/core/comm_model.py)."""
+        comm = self.cfg.comm
+        advice = advise(list(self.log.recent), comm.topk_ratio, comm.diloco.inner_steps, comm.compression == "topk")
+        return advice["advice"] if advice else None
 
     def _layout(self) -> dict:
         """How each replica is laid out, and how many there are (members name each rank's replica, stage, shard)."""

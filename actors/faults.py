@@ -10,6 +10,9 @@ Nodes that fail slowly (README "Node health"): degrade (compute slows a little m
 process dies at `until`), ecc (the rank's node reports single-bit ECC errors at a rising rate, then an
 uncorrectable one `warning` steps before the process dies at `until`: `FaultPlan.readings`, synthetic), and
 noisy (compute time varies by up to `factor` times, every step; it never fails).
+
+A slow network: link (from its step on, every rank's gradient collectives take the time a ring over a link of
+`gbps` and `latency_ms` would need for the bytes they send: actors/worker/link.py).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class FaultPlan:
             i: f
             for i, f in enumerate(self.faults)
             if i not in self.fired
+            and f.kind != "link"
             and f.during == during
             and (f.step == step or f.ready_pool and f.step < step)
             and (pool_ready or not f.ready_pool)
@@ -48,6 +52,18 @@ class FaultPlan:
         for f in due.values():
             self.record(FaultFired(step, f.model_dump()))
         return {f.rank: f.model_dump() for f in due.values()}
+
+    def link(self, step: int) -> dict | None:
+        """The simulated link in force at `step` (1-based), for every rank: the last link fault whose step has come.
+        It is recorded once, as it first applies."""
+        links = [(i, f) for i, f in enumerate(self.faults) if f.kind == "link" and f.step <= step]
+        if not links:
+            return None
+        i, f = max(links, key=lambda x: (x[1].step, x[0]))
+        if i not in self.fired:
+            self.fired.add(i)
+            self.record(FaultFired(step, f.model_dump()))
+        return {"gbps": f.gbps, "latency_ms": f.latency_ms}
 
     def readings(self, step: int, node_of: dict[int, str]) -> list[Reading]:
         """What the nodes of ecc faults report after `step`: single-bit errors from the fault's step on, at a rate

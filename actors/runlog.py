@@ -34,6 +34,7 @@ class RunLog:
         self.latest: dict[str, dict] = {}  # the last record of each kind (status shows them)
         self._events: list[dict] = []  # for the driver's next poll
         self._commits: deque = deque(maxlen=PACE_STEPS)
+        self.recent: deque = deque(maxlen=PACE_STEPS)  # the last train records: status's communication advice
         self._lock = threading.Lock()
 
     def record(self, record: Record) -> None:
@@ -47,6 +48,7 @@ class RunLog:
             self.latest[data["kind"]] = data
             if data["kind"] == "train":
                 self._commits.append(time.monotonic())
+                self.recent.append(data)
                 self.first_step_at = self.first_step_at or data["time"]
         self.records_written += 1
 

@@ -68,12 +68,14 @@ class Saver:
     def level(self, step: int) -> str | None:
         """The level due after `step`: full (by steps or by the clock; also a light one without a base to complete
         it), light, or none."""
-        ck = self.cfg.checkpoint
-        if due(step, ck.every, self.cfg.train.steps):
+        ck, window = self.cfg.checkpoint, self.cfg.window
+        if not self.cfg.outer_step(step):  # DiLoCo: between outer steps each worker holds a model of its own
+            return None
+        if due(step, ck.every, self.cfg.train.steps, window):
             return "full"
         if ck.every_s and self._clock() - self.last_full >= ck.every_s:
             return "full"
-        if ck.light_every and step % ck.light_every == 0:
+        if ck.light_every and due(step, ck.light_every, 0, window):
             return "light" if self.base is not None else "full"
         return None
 
@@ -89,7 +91,8 @@ class Saver:
             self.finish()
             level = self.level(step) or "full"
             # a layout's first replica writes its tensors rank by rank (DCP)
-            every_rank = sharded or self.cfg.comm.compression == "topk"  # shards, top-k's residuals
+            # shards, top-k's residuals, DiLoCo's inner optimizer states (one per worker)
+            every_rank = sharded or self.cfg.comm.compression == "topk" or self.cfg.comm.mode == "diloco"
             writers = workers if every_rank and level == "full" else workers[: self.cfg.parallel.ranks]
             try:
                 path = checkpoint.prepare(self.uri, step)

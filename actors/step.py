@@ -64,8 +64,9 @@ class Stepper:
         was_balanced = self.balancer.balanced
         shares = self.shares(at.cursor, batch, workers)
         limit, faults = self.guards.limit(), self.faults.due(n, self.team.pool.ready() > 0)
+        link = self.faults.link(n)
         refs = [
-            w.train_step.remote(n, ids, batch, at.cursor, faults.get(rank), self.guards.lr_scale, limit)
+            w.train_step.remote(n, ids, batch, at.cursor, faults.get(rank), self.guards.lr_scale, limit, link)
             for rank, (w, ids) in enumerate(zip(workers, shares))
         ]
         try:

@@ -295,6 +295,8 @@ def _status_text(st: dict) -> str:
         f"  recoveries {st['recoveries']}  group generation {st['generation']}  sync {st['comm']}",
         "  last checkpoint: " + (f"step {ckpt['step']} ({ckpt['level']}) {ckpt['path']}" if ckpt else "none yet"),
     ]
+    if st.get("communication"):
+        lines.append(f"  communication: {st['communication']}")
     health = st.get("health") or {"nodes": {}, "lemons": []}
     node = _node_names(
         [*st["draining_nodes"], *health["nodes"], *health["lemons"], *(m["node"] for m in st["members"])]

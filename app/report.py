@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from app.core.comm_model import advise
 from app.core.config import ConfigError
 from app.core.records import STEP_PARTS, read_jsonl, steady_tokens_per_s
 
@@ -52,7 +53,8 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> dict:
     plots = {name: out_dir / f"{name}.png" for name in figures}
     for name, fig in figures.items():
         fig.savefig(plots[name])
-    summary, page = _summary(records, layout), out_dir / "report.html"
+    summary = _summary(records, layout) | {"communication": _communication(run_dir, records)}
+    page = out_dir / "report.html"
     page.write_text(_html(run_dir.name, summary, plots))
     return {"html": page, "plots": plots, "summary": summary, "events": events}
 
@@ -65,6 +67,20 @@ def _layout(run_dir: Path) -> dict:
     saved = (yaml.safe_load(path.read_text()) or {}).get("parallel") if path.is_file() else None
     layout = {"tp": 1, "pp": 1, "shard": 1, "microbatches": 1, "schedule": "1f1b"} | (saved or {})
     return layout | {"ranks": layout["tp"] * layout["pp"] * layout["shard"]}
+
+
+def _communication(run_dir: Path, records: list[dict]) -> dict | None:
+    """Whether communication bounds the run, and what another mode would save (app/core/comm_model.py)."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    comm = ((yaml.safe_load(path.read_text()) or {}).get("comm") if path.is_file() else None) or {}
+    return advise(
+        _of(records, "train"),
+        comm.get("topk_ratio", 0.1),
+        (comm.get("diloco") or {}).get("inner_steps", 16),
+        gathered=comm.get("compression") == "topk",
+    )
 
 
 def _load(run_dir: Path) -> list[dict]:
@@ -112,7 +128,7 @@ def _membership_events(records: list[dict], t0: float) -> list[tuple[float, str]
             ended[r["step"]] = last = r["time"]
             events += [(last - t0, _label(m)) for m in pending]
             pending = []
-        elif kind in ("resume", "rollback"):
+        elif kind in ("resume", "rollback", "outer"):
             ended = {r["step"]: r["time"]}
         elif kind == "membership" and r.get("step") in ended:
             events.append((ended[r["step"]] - t0, _label(r)))
@@ -349,6 +365,8 @@ def _html(name: str, summary: dict, plots: dict[str, Path]) -> str:
         ("checkpoints failed", summary["checkpoints_failed"]),
         ("recoveries (recover, resume, rollback)", summary["recoveries"]),
     ]
+    if summary.get("communication"):
+        rows.append(("communication", summary["communication"]["advice"]))
     table = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     images = "\n".join(
         f'<p><img alt="{html.escape(k)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"></p>'

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from actors.protocol import StepReport
 from actors.worker import rollout, zero_state
 from actors.worker.data_parallel import DataParallel
+from actors.worker.diloco import Diloco
 from actors.worker.engine import Engine, peak_rss
 from actors.worker.injection import Injected, apply, tick
 from actors.worker.param_server import ParamServer
@@ -57,6 +58,8 @@ def make_engine(cfg: Config, device: torch.device) -> Engine:
     """The engine of this run's mode: one per run, fixed by its config."""
     if cfg.comm.mode == "ps":
         return ParamServer(cfg, device)
+    if cfg.comm.mode == "diloco":
+        return Diloco(cfg, device)
     if cfg.parallel.ranks > 1:
         from actors.worker.laid_out import LaidOut  # DTensor and the pipeline schedules: ~1 s to import
 
@@ -201,12 +204,15 @@ class TrainWorker:
         fault: dict | None = None,
         lr_scale: float = 1.0,
         max_norm: float = math.inf,
+        link: dict | None = None,
     ) -> StepReport:
         """This worker's share of one optimizer step: forward/backward with the gradient sync
-        overlapping it, then clip and update."""
+        overlapping it, then clip and update (and DiLoCo's outer step at a window's end). `link`: a simulated
+        link's fault (actors/worker/link.py), in force from its step on."""
         started = time.perf_counter()
         torch.manual_seed(self._begin(step, fault))
         engine, sync = self.engine, self.engine.sync
+        engine.link_to(link)
         engine.model.train()
         engine.optimizer.zero_grad(set_to_none=True)
         rows, data = self.train_data.get(ids, cursor)
@@ -217,15 +223,16 @@ class TrainWorker:
             loss_sum, norm = engine.forward_backward(self._tensor(rows), global_batch, self.injected)
             synced = time.perf_counter()
             grad_norm, lr = engine.update(global_batch, lr_scale, max_norm, norm)
+            outer_s = engine.outer_step(step)
         except Exception:
             self._abort_group()
             raise
-        stats = sync.take_stats() if sync else {}
+        stats = engine.take_stats()
         # up to the last bucket: no waiting on peers. A replica's collectives are inside its schedule, not apart.
         compute_s = (stats.get("last_ready") or synced) - computing
         finite = math.isfinite(grad_norm) or engine.scaler.is_enabled()  # fp16: the scaler skips overflows itself
         if finite:
-            engine.applied = step
+            engine.committed(step)
             if sync:
                 sync.commit(engine.applied, sent=math.isfinite(grad_norm) and grad_norm <= max_norm)
         return StepReport(
@@ -236,7 +243,7 @@ class TrainWorker:
             lr=lr,
             share=len(ids),
             compute_s=compute_s,
-            communication_s=synced - computing - compute_s,
+            communication_s=synced - computing - compute_s + outer_s,
             worker_s=time.perf_counter() - started,
             comm_bytes=stats.get("comm_bytes", 0),
             dense_bytes=stats.get("dense_bytes", 0),
@@ -383,4 +390,10 @@ def assemble(parts: dict[str, bytes]) -> dict:
     if ranks and sorted(ranks) != list(range(len(ranks))):
         raise ValueError(f"the checkpoint's residual files are not one per rank 0..N-1: {sorted(ranks.values())}")
     carried = [deserialize(parts[ranks[r]]) for r in sorted(ranks)] if ranks and LIGHT not in parts else None
-    return {"model": model, "optimizer": optimizer, **deserialize(parts["extra.pt"]), "residuals": carried}
+    # DiLoCo's inner optimizer states: rank 0's is optim.pt, each other rank's its own file
+    inner = {int(m[1]): n for n in parts if (m := re.fullmatch(r"inner-(\d+)\.pt", n))}
+    if inner and sorted(inner) != list(range(1, len(inner) + 1)):
+        raise ValueError(f"the checkpoint's inner optimizer files are not one per rank 1..N-1: {sorted(inner)}")
+    inners = [optimizer, *(deserialize(parts[inner[r]]) for r in sorted(inner))] if inner else None
+    extra = deserialize(parts["extra.pt"])
+    return {"model": model, "optimizer": optimizer, **extra, "residuals": carried, "inner": inners}

@@ -19,6 +19,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from actors.worker.link import Link
+
 MODES = ("none", "fp16", "bf16", "powersgd", "topk")
 SEGMENT = 32768  # top-k picks per segment, so a local index fits an int16 (sent as bytes: gloo has no int16)
 _FP16_MAX = torch.finfo(torch.float16).max
@@ -60,10 +62,13 @@ class GradSync:
         self._last_ready: float | None = None
         self._one_thread: ThreadPoolExecutor | None = None  # see _in_order
         self.die_in_allreduce = False  # a fault (actors/faults.py): exit once the first bucket is on its way
+        self.link: Link | None = None  # a simulated link (fault kind link): each bucket's collective lasts its time
+        self._world = 1
 
     def register(self, ddp: DDP) -> None:
         """Install the hook on a new DDP; call once per DDP, before its first backward."""
         group = ddp.process_group
+        self._world = group.size()
         if self.mode == "powersgd":
             # torch counts its own steps from each new group, and needs at least 2 of plain all-reduce.
             state = powersgd.PowerSGDState(
@@ -145,6 +150,10 @@ class GradSync:
                 self._dense += bucket.buffer().nbytes
                 self._last_ready = time.perf_counter()
             future = hook(state, bucket)
+            if self.link is not None:
+                gathered = self.mode == "topk" and self.step > self.start
+                until = self.link.book(sent, self._world, "allgather" if gathered else "allreduce")
+                future = self.link.delay(future, until)
             if self.die_in_allreduce:  # the collective has started: peers are mid-all-reduce with this rank
                 os._exit(1)
             return future

@@ -3,7 +3,6 @@ them (compressed by the sync's hook, actors/worker/compress.py), the optimizer s
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 
 import torch
@@ -44,8 +43,8 @@ class DataParallel(Engine):
         self.ddp = DDP(
             self.model, device_ids=device_ids, bucket_cap_mb=self.cfg.comm.bucket_mb, forward_sync_buffers=False
         )
-        comm = self.cfg.comm
-        self.sync = self.sync or GradSync(comm.compression, comm.topk_ratio, comm.powersgd_rank, comm.compress_start)
+        comm, start = self.cfg.comm, self.cfg.compress_start()
+        self.sync = self.sync or GradSync(comm.compression, comm.topk_ratio, comm.powersgd_rank, start)
         self.sync.register(self.ddp)
         self.sync.regroup(rank, world, list(self.model.named_parameters()), self.applied)
         if comm.zero:
@@ -66,24 +65,9 @@ class DataParallel(Engine):
         """Micro-batches accumulate; only the last one's backward syncs, bucket by bucket as it goes. Each sample's
         loss weighs 1/global_batch however the batch is split, and DDP averages over the world, so the update
         equals the single-process update on the whole global batch for any split."""
-        divisor = global_batch / self.world
-        chunks = rows.split(self.cfg.train.micro_batch)
-        loss_sum = 0.0
-        for i, chunk in enumerate(chunks):
-            sync = nullcontext() if i == len(chunks) - 1 or self.world == 1 else self.ddp.no_sync()
-            with sync:
-                forward_started = time.perf_counter()
-                with self.autocast():
-                    _, loss = self.ddp(chunk[:, :-1], chunk[:, 1:])
-                if injected.slowdown > 1:  # an injected straggler: backward costs about twice the forward
-                    time.sleep((injected.slowdown - 1) * 3 * (time.perf_counter() - forward_started))
-                if injected.poisoned:  # an injected NaN or spike (fault kinds "nan", "spike")
-                    loss = loss * injected.poisoned
-                weighted = loss * len(chunk) / divisor
-                self.scaler.scale(weighted).backward()
-            loss_sum += weighted.item() / self.world
-        injected.poisoned = 0.0
-        return loss_sum, None
+        quiet = nullcontext if self.world == 1 else self.ddp.no_sync
+        losses = self.backward_chunks(self.ddp, rows, global_batch / self.world, injected, quiet)
+        return sum(loss / self.world for loss in losses), None
 
     def state(self) -> dict | None:
         """With ZeRO-1 every member must call this together (the shards are gathered to rank 0); only rank 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import resource
+import time
 import warnings
 from contextlib import nullcontext
 
@@ -17,6 +18,7 @@ import torch
 
 from actors.worker.compress import GradSync
 from actors.worker.injection import Injected
+from actors.worker.link import Link
 from app.core.config import Config
 from app.core.finetune import build_model
 from app.core.model import LanguageModel
@@ -25,6 +27,7 @@ from app.core.optim import make_optimizer, make_scheduler
 
 class Engine:
     sync: GradSync | None = None  # the gradient sync's hook, where a kill_in_allreduce fault dies (data parallel)
+    link: Link | None = None  # a simulated link the gradient path's collectives wait for (fault kind link)
 
     def __init__(self, cfg: Config, device: torch.device):
         self.cfg, self.device = cfg, device
@@ -66,6 +69,29 @@ class Engine:
         engine clipped already (None: `update` clips)."""
         raise NotImplementedError
 
+    def link_to(self, fault: dict | None) -> None:
+        """A simulated link (fault kind link) for this step's collectives, or none."""
+        if fault is None:
+            self.link = None
+        elif self.link is None or not self.link.same(fault):
+            self.link = Link(fault["gbps"], fault["latency_ms"])
+        if self.sync:
+            self.sync.link = self.link
+
+    def outer_step(self, step: int) -> float:
+        """After the update of `step`: DiLoCo's outer step where `step` ends a window (the seconds its all-reduce
+        took); nothing in the other modes. Every rank calls it, whatever its update did: it may be a collective."""
+        return 0.0
+
+    def committed(self, step: int) -> None:
+        """`step` succeeded on this rank: the state it can resume from, and give a peer, is the one after it."""
+        self.applied = step
+
+    def take_stats(self) -> dict:
+        """Bytes handed to collectives since the last take, against what plain all-reduce would send, and when the
+        last gradient bucket was ready (≈ the local backward's end)."""
+        return self.sync.take_stats() if self.sync else {}
+
     def evaluate(self, rows: torch.Tensor) -> tuple[float, int]:
         """Sum of per-sample mean losses of `rows`, and their count (0, 0 where another rank answers)."""
         total = 0.0
@@ -104,6 +130,26 @@ class Engine:
         return self.optimizer
 
     # -- shared by the engines -----------------------------------------------------------
+
+    def backward_chunks(self, module, rows: torch.Tensor, divisor: float, injected: Injected, quiet) -> list[float]:
+        """Forward and backward of `rows` micro-batch by micro-batch, each sample's loss weighing 1/`divisor`, every
+        micro-batch but the last inside `quiet()` (DDP's no_sync); the weighted losses, one per micro-batch."""
+        chunks = rows.split(self.cfg.train.micro_batch)
+        losses = []
+        for i, chunk in enumerate(chunks):
+            with nullcontext() if i == len(chunks) - 1 else quiet():
+                forward_started = time.perf_counter()
+                with self.autocast():
+                    _, loss = module(chunk[:, :-1], chunk[:, 1:])
+                if injected.slowdown > 1:  # an injected straggler: backward costs about twice the forward
+                    time.sleep((injected.slowdown - 1) * 3 * (time.perf_counter() - forward_started))
+                if injected.poisoned:  # an injected NaN or spike (fault kinds "nan", "spike")
+                    loss = loss * injected.poisoned
+                weighted = loss * len(chunk) / divisor
+                self.scaler.scale(weighted).backward()
+            losses.append(weighted.item())
+        injected.poisoned = 0.0
+        return losses
 
     def update(
         self, global_batch: int, lr_scale: float, max_norm: float, grad_norm: float | None = None

@@ -373,23 +373,40 @@ class OptimConfig(Section):
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
 
 
+class DilocoConfig(Section):
+    """comm.mode=diloco (DiLoCo, Douillard et al. 2023): each worker takes `inner_steps` optimizer steps on its share
+    of the global batches with no gradient sync at all, then the workers average their pseudo-gradients (the
+    parameters of the last outer step minus their own, weighted by the samples each took) and apply outer Nesterov
+    SGD to them. One all-reduce of the trained parameters' size every `inner_steps` steps instead of every step."""
+
+    inner_steps: int = Field(
+        16, ge=1, description="steps between outer steps (the paper's H, 500 at billions of parameters)"
+    )
+    outer_lr: float = Field(0.7, gt=0, description="the outer Nesterov step's learning rate (the paper's 0.7)")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="the outer Nesterov momentum (the paper's 0.9)")
+    bf16: bool = Field(False, description="all-reduce the pseudo-gradient in bfloat16: half the bytes")
+
+
 class CommConfig(Section):
     """Gradient synchronisation: all-reduce (bucketed, overlapping the backward pass, optionally
-    compressed, optionally with sharded optimizer state) or a bounded-staleness parameter server."""
+    compressed, optionally with sharded optimizer state), DiLoCo's outer steps, or a bounded-staleness parameter
+    server."""
 
-    mode: Literal["allreduce", "ps"] = Field(
-        "allreduce", description="allreduce: DDP ring all-reduce; ps: parameter-server shards with bounded staleness"
+    mode: Literal["allreduce", "diloco", "ps"] = Field(
+        "allreduce",
+        description="allreduce: DDP ring all-reduce every step; diloco: local steps, an outer step every "
+        "comm.diloco.inner_steps (for slow links); ps: parameter-server shards with bounded staleness",
     )
     compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
         "none", description="fp16/bf16/powersgd: torch's DDP hooks; topk: ours, with error feedback"
     )
     topk_ratio: float = Field(0.1, gt=0, le=1, description="topk: fraction of gradient entries sent per step")
     powersgd_rank: int = Field(2, ge=1, description="powersgd: rank of the low-rank approximation")
-    compress_start: int = Field(
-        20,
+    compress_start: int | None = Field(
+        None,
         ge=2,
         description="topk, powersgd: steps of plain all-reduce before compressing (PowerSGD counts them again after "
-        "each membership change)",
+        "each membership change); None: 20% of train.steps, at least 2 (README, Gradient sync)",
     )
     bucket_mb: float = Field(
         25, gt=0, description="DDP bucket size: gradients are sent bucket by bucket during backward"
@@ -402,6 +419,7 @@ class CommConfig(Section):
     ps_max_staleness: int = Field(
         4, ge=1, description="ps: the most updates a gradient may lag behind; fast workers wait beyond it"
     )
+    diloco: DilocoConfig = DilocoConfig()
 
 
 class BalanceConfig(Section):
@@ -511,7 +529,9 @@ class Fault(Section):
 
     rank: int = Field(ge=0)
     step: int = Field(ge=1)
-    kind: Literal["kill", "kill_in_allreduce", "hang", "slow", "nan", "spike", "degrade", "ecc", "noisy"] = "kill"
+    kind: Literal["kill", "kill_in_allreduce", "hang", "slow", "nan", "spike", "degrade", "ecc", "noisy", "link"] = (
+        "kill"
+    )
     factor: float = Field(
         2.0,
         ge=1,
@@ -529,6 +549,13 @@ class Fault(Section):
         "step",
         description="step: with the work of step `step`; eval: in the evaluation after step `step` (kill or hang)",
     )
+    gbps: float | None = Field(
+        None,
+        gt=0,
+        description="link: from `step` on, every rank's gradient collectives take the time a ring over a link of "
+        "this many Gbit/s would need for the bytes they send (a simulation: actors/worker/link.py); `rank` is ignored",
+    )
+    latency_ms: float = Field(0.0, ge=0, description="link: each hop of the ring adds this latency")
 
     @model_validator(mode="after")
     def _ends(self) -> Fault:
@@ -538,6 +565,12 @@ class Fault(Section):
             raise ValueError(f"a {self.kind} fault needs `until`, the step it dies at, after `step`={self.step}")
         if self.kind not in ("degrade", "ecc") and self.until is not None:
             raise ValueError(f"`until` applies to degrade and ecc faults, not {self.kind}")
+        if (self.kind == "link") != (self.gbps is not None):
+            raise ValueError(
+                "a link fault needs `gbps`, the simulated link's bandwidth"
+                if self.kind == "link"
+                else f"`gbps` applies to link faults, not {self.kind}"
+            )
         return self
 
 
@@ -788,6 +821,13 @@ class Config(Section):
                 "comm.mode=ps needs train.batch_scaling=constant (a step is one global batch) and no fp16 (the shards "
                 "have no loss scaler): use bf16"
             )
+        if self.comm.mode == "diloco":
+            self._check_diloco()
+        if any(f.kind == "link" for f in self.faults) and (self.comm.mode == "ps" or self.parallel.ranks > 1):
+            raise ValueError(
+                "a link fault models the gradient all-reduce of data parallelism and DiLoCo; comm.mode=ps and "
+                "parallel layouts send theirs another way: leave the link fault out"
+            )
         if self.comm.zero and self.checkpoint.every == 0:
             raise ValueError(
                 "comm.zero needs checkpoint.every > 0: a lost worker takes its optimizer shard along, and the job goes "
@@ -819,6 +859,36 @@ class Config(Section):
                 f"cluster.num_workers={self.cluster.num_workers} (it is the per-worker batch times the workers)"
             )
         return self
+
+    def _check_diloco(self) -> None:
+        refused = {
+            "comm.zero": self.comm.zero,
+            f"comm.compression={self.comm.compression}": self.comm.compression != "none",
+            "train.batch_scaling=linear": self.train.batch_scaling == "linear",
+            "PPO (ppo.reward)": bool(self.ppo.reward),
+        }
+        if used := [name for name, on in refused.items() if on]:
+            raise ValueError(
+                f"comm.mode=diloco does not support {', '.join(used)}: its workers sync no gradients (only the "
+                "pseudo-gradient of each outer step, comm.diloco.bf16 to halve it), keep their whole optimizer "
+                "state, and take fixed shares of a fixed batch; leave them out"
+            )
+
+    def compress_start(self) -> int:
+        """Steps of plain all-reduce before top-k or PowerSGD compress: comm.compress_start, or 20% of the run (1-bit
+        Adam's 15-25%: early gradients change fast, and what compression holds back then arrives stale)."""
+        start = self.comm.compress_start
+        return start if start is not None else max(2, round(0.2 * self.train.steps))
+
+    @property
+    def window(self) -> int:
+        """Steps from one outer step to the next: DiLoCo's inner steps; 1 in the other modes."""
+        return self.comm.diloco.inner_steps if self.comm.mode == "diloco" else 1
+
+    def outer_step(self, step: int) -> bool:
+        """Whether `step` ends a window (every step does outside DiLoCo): the workers then hold one model, which is
+        what evaluations and checkpoints see and where membership changes land."""
+        return step % self.window == 0 or step == self.train.steps
 
     def _check_lora_rank(self) -> None:
         lora, shapes = self.finetune.lora, self.model.linear_shapes()
@@ -920,6 +990,7 @@ class Config(Section):
             "optim.name=lamb": self.optim.name == "lamb",
             "finetune.method=lora": self.finetune.lora_on,
             "PPO (ppo.reward)": bool(self.ppo.reward),  # its rollouts and updates are data-parallel's
+            "comm.mode=diloco": self.comm.mode == "diloco",
         }
         refused = [name for name, used in unsupported.items() if used]
         if refused:

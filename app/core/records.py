@@ -150,10 +150,11 @@ class CheckpointFailed(Record):
 
 @dataclass
 class Rewind:
-    """The run went back to `step`: `kind` resume (a new driver) or rollback (a lost ZeRO-1 shard, a NaN)."""
+    """The run went back to `step`: `kind` resume (a new driver), rollback (a lost ZeRO-1 shard, a NaN) or outer
+    (DiLoCo: members changed between outer steps, and the window since the last one is redone)."""
 
     step: int
-    kind: str  # resume or rollback
+    kind: str  # resume, rollback or outer
     path: str | None
     level: str | None
     base: str | None
