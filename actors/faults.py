@@ -29,7 +29,8 @@ class FaultPlan:
     def __init__(self, faults: list[Fault], record: Callable[[Record], None], fired: list[dict] = ()):
         """`fired`: faults the run injected before (a resumed run's earlier drivers): each is injected once."""
         self.faults, self.record = faults, record
-        self.fired = {i for i, f in enumerate(faults) if f.model_dump() in fired}
+        # a record made before a key was added to Fault lacks it: the keys it has must match
+        self.fired = {i for i, f in enumerate(faults) if any(_same(f.model_dump(), r) for r in fired)}
         self.bound: dict[int, str | None] = {}  # ecc fault -> the node that reports it
 
     def due(self, step: int, pool_ready: bool = True, during: str = "step") -> dict[int, dict]:
@@ -88,6 +89,12 @@ class FaultPlan:
                 )
             )
         return out
+
+
+def _same(fault: dict, recorded: dict) -> bool:
+    return all(fault.get(k) == v for k, v in recorded.items()) and all(
+        k in recorded or v == Fault.model_fields[k].default for k, v in fault.items()
+    )
 
 
 class ScriptedTelemetry:

@@ -41,6 +41,13 @@ def test_override_sets_typed_value():
         ("train.steps=true", "config key 'train.steps': must be a number, not true"),
         ("faults=[{rank: 5, step: 3}]", "faults[0].rank=5 never fires: the run has at most 2 worker(s)"),
         ("train=3", "is a section"),
+        ("comm.mode=diloco comm.compression=topk", "comm.mode=diloco does not support comm.compression=topk"),
+        ("comm.mode=diloco comm.zero=true", "comm.mode=diloco does not support comm.zero"),
+        ("comm.mode=diloco parallel.tp=2", "comm.mode=diloco with parallel.tp × parallel.pp × parallel.shard > 1"),
+        ("comm.diloco.inner_steps=0", "config key 'comm.diloco.inner_steps'"),
+        ("faults=[{rank: 0, step: 1, kind: link}]", "a link fault needs `gbps`"),
+        ("faults=[{rank: 0, step: 1, kind: kill, gbps: 1}]", "`gbps` applies to link faults, not kill"),
+        ("faults=[{rank: 0, step: 1, kind: link, gbps: 0}]", "config key 'faults.0.gbps'"),
     ],
 )
 def test_bad_override_names_key_and_problem(override, expected):

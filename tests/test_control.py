@@ -30,6 +30,8 @@ def obs(**kw) -> Observation:
         (State.RUNNING, obs(step=10, target=3), State.FINISHED),  # no resize after the last step
         (State.RUNNING, obs(draining=1), State.RESIZING),  # a node is being drained: move off it now
         (State.RUNNING, obs(draining=1, lost=1), State.RECOVERING),
+        (State.RUNNING, obs(target=3, outer_step=False), State.RUNNING),  # DiLoCo: a resize waits for an outer step
+        (State.RUNNING, obs(draining=1, outer_step=False), State.RESIZING),  # a drain does not: the window is redone
         (State.FINISHED, obs(lost=1), State.FINISHED),
         (State.FAILED, obs(), State.FAILED),
     ],

@@ -1014,7 +1014,8 @@ class Config(Section):
 
         weights, gradients and optimizer: fp32, AdamW's two moments (16 bytes per parameter; with LoRA, 4 per
         frozen weight and 16 per adapter parameter); a block's tensors split over parallel.tp, the blocks over
-        parallel.pp's stages, everything over parallel.shard (FSDP2), AdamW's state over the workers with ZeRO-1.
+        parallel.pp's stages, everything over parallel.shard (FSDP2), AdamW's state over the workers with ZeRO-1;
+        DiLoCo adds the outer parameters and momentum (8 bytes per trained parameter) to the optimizer's part.
         activations: one micro-batch's kept for backward (Korthikanti et al. 2022, per layer 10·s·b·h + 24·s·b·h/t
         + 5·a·s²·b/t bytes at 16 bits, twice that in fp32; the s² term is an upper bound: fused attention keeps no
         scores), and the logits and their gradient. gathered: the whole parameters of the block FSDP computes and of
@@ -1032,6 +1033,8 @@ class Config(Section):
         weights, gradients, optimizer = (x // par.shard for x in (weights, gradients, optimizer))
         if self.comm.zero:
             optimizer //= max(self.cluster.num_workers, 1)
+        if self.comm.mode == "diloco":  # the outer parameters and their momentum, beside the inner optimizer's
+            optimizer += 8 * (self.lora_params() if self.finetune.lora_on else params)
         per_layer = (10 * s * b * d + 24 * s * b * d // par.tp + 5 * m.n_head * s * s * b // par.tp) * width
         activations = layers * per_layer + 8 * b * s * m.vocab_size
         gathered = 2 * block * (2 if self.train.precision == "bf16" else 4) if par.shard > 1 else 0
