@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import ray
@@ -52,13 +53,13 @@ def link_fault(gbps: str) -> list[str]:
     return [] if gbps == "none" else [f"faults=[{{kind: link, rank: 0, step: 1, gbps: {gbps}, latency_ms: 0.5}}]"]
 
 
-def run_variant(mode: str, gbps: str, steps: int, root: Path, data_dir: str) -> dict:
+def run_variant(mode: str, gbps: str, steps: int, root: Path, data_dir: str, round_: int = 0) -> dict:
     cfg = load_config(
         "tiny",
         [
             f"data.cache_dir={data_dir}",
             f"run.root={root}",
-            f"run.name={mode}-{gbps}",
+            f"run.name={mode}-{gbps}-{round_}",
             f"train.steps={steps}",
             f"train.eval_every={EVAL_EVERY}",
             "checkpoint.every=0",
@@ -125,10 +126,13 @@ def main(argv: list[str] | None = None) -> dict:
     variants = [f"{m}@{g}" for g in args.links for m in modes]
     steps = int(LONGER * args.steps)
     with tempfile.TemporaryDirectory(prefix="etrain-bench-lowband-") as root:
+        done = Counter()
 
         def measure(variant: str) -> dict:
             mode, gbps = variant.split("@")
-            return run_variant(mode, gbps, args.steps if mode == "dense" else steps, Path(root), args.data)
+            done[variant] += 1
+            length = args.steps if mode == "dense" else steps
+            return run_variant(mode, gbps, length, Path(root), args.data, done[variant])
 
         def line(variant: str, r: dict) -> str:
             share, loss = r["communication_share"], r["evals"][-1][2]
