@@ -386,11 +386,13 @@ def cmd_spot_watch(args, started_at: float) -> int:
 def cmd_tune(args, started_at: float) -> int:
     from app.core.config import ConfigError, load_config, override
     from app.job import connect, resolve_data, train
-    from tune.search import check, format_table, run_search
+    from tune.search import GRACE, REDUCTION, check, format_table, run_search
     from tune.space import load_space
 
     if args.trials < 1 or args.concurrency < 1:
         raise ConfigError(f"--trials and --concurrency must be at least 1, got {args.trials} and {args.concurrency}")
+    if args.reduction is not None and args.reduction <= 1 or args.grace is not None and args.grace < 1:
+        raise ConfigError(f"--reduction must be above 1 and --grace at least 1, got {args.reduction} and {args.grace}")
     out = Path(args.out)
     if args.resume:
         saved = out / "search.json"
@@ -409,8 +411,15 @@ def cmd_tune(args, started_at: float) -> int:
             "seed": args.seed,
             "sampler": args.sampler,
             "pruning": not args.no_pruning,
+            "reduction": args.reduction or REDUCTION,
+            "grace": args.grace or GRACE,
         }
     space = load_space(space_file, base)
+    if not args.resume and args.grace and spec["pruning"] and args.grace * base.train.eval_every >= base.train.steps:
+        raise ConfigError(
+            f"--grace {args.grace} evaluations of train.eval_every={base.train.eval_every} steps reach "
+            f"train.steps={base.train.steps}: ASHA would stop nothing; lower --grace or pass --no-pruning"
+        )
     if not args.resume:
         if (out / "study").exists():
             raise ConfigError(f"{out} already holds a search; continue it with --resume, or choose another --out")
@@ -433,6 +442,8 @@ def cmd_tune(args, started_at: float) -> int:
         pruning=spec["pruning"],
         resume=args.resume,
         progress=not args.no_progress,
+        reduction=spec.get("reduction", REDUCTION),
+        grace=spec.get("grace", GRACE),
     )
     print(format_table(rows))
     print(f"trials: {out / 'trials.json'}", file=sys.stderr)
@@ -752,6 +763,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--sampler", choices=["tpe", "random"], default="tpe", help="TPE (multivariate) or random search")
     p.add_argument("--no-pruning", action="store_true", help="run every trial to the end (no ASHA)")
+    p.add_argument(
+        "--reduction",
+        type=float,
+        default=None,
+        help="ASHA: 1/REDUCTION of the trials at each rung go on (default: tune.search's, measured in bench/hpo.py)",
+    )
+    p.add_argument(
+        "--grace", type=int, default=None, help="ASHA: evaluations every trial gets before any is stopped (default too)"
+    )
     p.add_argument(
         "--resume", action="store_true", help="continue the search in --out; finished trials are not run again"
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from app.core.config import override
 from app.core.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,3 +221,88 @@ def test_chaos_bench_kills_on_its_schedule_and_counts_what_was_committed(ray_ses
     assert result["kills"] == result["failures"] == 2 and result["worlds"] == [1, 2, 3], result
     assert result["every_sample_once"] and result["tokens_per_s"] > 0, result
     assert result["committed_share"] == 8 / (8 + 2), result  # each killed step is redone by the survivors
+
+
+def hpo_search(curves: list[list[float]], every: int = 10) -> dict:
+    """A search record as bench/hpo.py keeps one: each trial's evaluations every `every` steps, in proposal order."""
+    return {
+        "trials": [
+            {"number": n, "status": "completed", "evals": [[every * (i + 1), v] for i, v in enumerate(c)]}
+            for n, c in enumerate(curves)
+        ]
+    }
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_hpo_replay_prunes_as_ray_asha_does(make_cfg, concurrency):
+    """Rungs at 10, 20, 40 (reduction 2, grace one evaluation): trial 1 falls below the median at 10 and trial 2 at
+    20; trials 0 and 3 lead at every rung they reach. Worked by hand; at concurrency 2 the events interleave (trial
+    0 and 1 at step 10 together, the earlier trial first) and the outcome is the same."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import hpo
+
+    base = make_cfg("train.steps=60", "train.eval_every=10")
+    search = hpo_search(
+        [
+            [3.0, 2.8, 2.7, 2.6, 2.5, 2.4],
+            [3.5, 3.4, 3.3, 3.2, 3.1, 3.0],
+            [2.9, 2.9, 2.9, 2.9, 2.9, 2.9],
+            [2.0, 1.9, 1.7, 1.5, 1.45, 1.4],
+        ]
+    )
+    assert hpo.replay(search, base, 2, 1, concurrency) == {"trial_steps": 60 + 10 + 20 + 60, "best_eval_loss": 1.4}
+
+
+def test_hpo_replay_never_spends_more_or_finds_better_than_no_pruning(make_cfg):
+    seed = int(np.random.default_rng().integers(1 << 16))
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    base = make_cfg("train.steps=60", "train.eval_every=10")
+    sys.path.insert(0, str(ROOT / "bench"))
+    import hpo
+
+    for _ in range(20):
+        starts, rates = rng.uniform(2.5, 4.0, 24), rng.uniform(0.02, 0.2, 24)
+        curves = [list(s * np.exp(-r * np.arange(1, 7))) for s, r in zip(starts, rates)]
+        full = min(c[-1] for c in curves)
+        for reduction in (2, 3, 4):
+            for grace in (1, 2, 3):
+                out = hpo.replay(hpo_search(curves), base, reduction, grace, int(rng.integers(1, 4)))
+                assert 24 * 10 * grace <= out["trial_steps"] <= 24 * 60
+                assert out["best_eval_loss"] >= full
+        leader = [list(np.full(6, 0.5) - np.arange(6) * 0.01)]  # ahead at every rung: never stopped
+        assert hpo.replay(hpo_search(curves + leader), base, 3, 1, 2)["best_eval_loss"] == leader[0][-1]
+
+
+def test_hpo_trials_to_reach_and_the_median_interval():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import hpo
+
+    search = hpo_search([[3.0], [2.5], [2.7], [2.2]])
+    search["trials"][1]["status"] = "pruned"  # a pruned trial's loss is not an answer
+    assert [hpo.trials_to_reach(search, t) for t in (3.0, 2.6, 2.5, 2.2, 2.1)] == [1, 4, 4, 4, 5]
+    low, high = hpo.bootstrap_median([5, 5, 5, 5])
+    assert low == high == 5
+    low, high = hpo.bootstrap_median(list(range(1, 12)))
+    assert 1 <= low < 6 < high <= 11
+
+
+def test_hpo_objective_in_process_is_the_jobs_training(ray_session, make_cfg, tmp_path):
+    """bench/hpo.py's trials train in their own process: the same model, optimizer, schedule and samples as a job
+    with one worker, so the same eval losses up to the order of float sums (a job sums micro-batch gradients)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import hpo
+
+    from app.job import resolve_data, train
+
+    cfg = make_cfg("cluster.num_workers=1", "train.global_batch=8", "train.micro_batch=8", "optim.lr=0.01")
+    cfg = override(cfg, {"data.source": resolve_data(cfg)})
+    (tmp_path / "process").mkdir()
+    seen = []
+    hpo.train_in_process(cfg, tmp_path / "process", on_eval=seen.append)
+    train(cfg, tmp_path / "job", progress=False)
+    process = [(r["step"], r["eval_loss"]) for r in read_jsonl(tmp_path / "process" / "metrics.jsonl")]
+    job = [(r["step"], r["eval_loss"]) for r in read_jsonl(tmp_path / "job" / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [s for s, _ in process] == [s for s, _ in job] == [4, 8]
+    assert [v for _, v in process] == pytest.approx([v for _, v in job], rel=1e-4)
+    assert [(r["step"], r["eval_loss"]) for r in seen] == process

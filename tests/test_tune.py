@@ -53,6 +53,23 @@ def test_bad_space_exits_2(tmp_path, capsys):
     assert main(["tune", "--resume", "--out", str(tmp_path / "none")]) == 2
 
 
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--reduction", "1"], "--reduction must be above 1"),
+        (["--grace", "0"], "--grace at least 1"),
+        (["--grace", "2", "--set", "train.steps=8", "--set", "train.eval_every=4"], "ASHA would stop nothing"),
+    ],
+)
+def test_asha_settings_that_cannot_prune_exit_2(tmp_path, capsys, flags, says):
+    space = tmp_path / "space.yaml"
+    space.write_text("optim.lr: {loguniform: [1.0e-4, 1.0e-2]}\n")
+    argv = ["tune", "--config", "tiny", "--space", str(space), "--out", str(tmp_path / "t"), *flags]
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "t" / "study").exists()
+
+
 def test_resume_refuses_a_study_that_others_can_write(tmp_path, capsys):
     """Issue 15, defect 12: `--resume` unpickles the study (Ray Tune's design), so a pickle someone else
     could have written would run their code: such a search directory is refused before anything loads."""

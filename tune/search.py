@@ -29,7 +29,10 @@ from app.core.errors import why
 from app.core.records import read_jsonl
 
 METRIC = "eval_loss"
-REDUCTION = 3  # ASHA keeps the best 1/REDUCTION of the trials at each rung
+# ASHA's defaults, chosen from the trade-off curve bench/hpo.py measures (bench/README.md, "HPO"): trials go on
+# past GRACE evaluations before any is stopped, and 1/REDUCTION of them go on at each rung.
+REDUCTION = 3
+GRACE = 1
 
 
 def run_search(
@@ -45,9 +48,13 @@ def run_search(
     resume: bool = False,
     max_failures: int = 1,
     progress: bool = True,
+    reduction: float = REDUCTION,
+    grace: int = GRACE,
+    reuse: bool = False,
 ) -> list[dict]:
     """Run (or resume) a search of `train` (app.job.train: one training run) over `space`; the trials' rows,
-    best first. Writes OUT/trials.json and OUT/best.yaml. Ray is connected, and base's data ready, by the caller."""
+    best first. Writes OUT/trials.json and OUT/best.yaml. Ray is connected, and base's data ready, by the caller.
+    `reuse`: a trial's process runs the next trial (a `train` that trains in the trial's own process)."""
     out = Path(out).expanduser().resolve()  # Tune runs each trial in its own working directory
     check(out, resume, pruning, base)
     study = out / "study"
@@ -60,7 +67,16 @@ def run_search(
     else:
         tuner = tune.Tuner(
             trainable,
-            tune_config=_tune_config(base, space, trials, concurrency, seed, sampler, pruning),
+            tune_config=_tune_config(
+                base,
+                space,
+                trials,
+                concurrency,
+                seed,
+                sampler,
+                asha(base, reduction, grace) if pruning else None,
+                reuse,
+            ),
             run_config=tune.RunConfig(
                 name="study",
                 storage_path=str(out),
@@ -106,35 +122,43 @@ def check_trusted(out: Path) -> None:
             )
 
 
+def asha(base: Config, reduction: float = REDUCTION, grace: int = GRACE) -> ASHAScheduler:
+    """ASHA on the training step: no trial stopped before `grace` evaluations (fewer where the run has fewer before
+    its last), 1/`reduction` going on at each rung."""
+    steps, every = base.train.steps, base.train.eval_every
+    return ASHAScheduler(
+        time_attr="step",
+        metric=METRIC,
+        mode="min",
+        max_t=steps,
+        grace_period=grace * every if grace * every < steps else every * ((steps - 1) // every) or steps,
+        reduction_factor=reduction,
+        stop_last_trials=False,
+    )
+
+
 def _tune_config(
-    base: Config, space: dict, trials: int, concurrency: int, seed: int, sampler: str, pruning: bool
+    base: Config,
+    space: dict,
+    trials: int,
+    concurrency: int,
+    seed: int,
+    sampler: str,
+    scheduler: ASHAScheduler | None,
+    reuse: bool,
 ) -> tune.TuneConfig:
     samplers = {
         "tpe": lambda: optuna.samplers.TPESampler(multivariate=True, seed=seed),
         "random": lambda: optuna.samplers.RandomSampler(seed=seed),
     }
     # OptunaSearch needs metric and mode itself when given a space: without them it maximises.
-    steps, every = base.train.steps, base.train.eval_every
-    search = Search(space, metric=METRIC, mode="min", sampler=samplers[sampler](), steps=steps)
-    # One evaluation of grace, then a third goes on at each rung (bench/hpo.py measures what that saves and costs).
-    scheduler = (
-        ASHAScheduler(
-            time_attr="step",
-            max_t=steps,
-            grace_period=min(steps, every),
-            reduction_factor=REDUCTION,
-            stop_last_trials=False,
-        )
-        if pruning
-        else FIFOScheduler()
-    )
+    search = Search(space, metric=METRIC, mode="min", sampler=samplers[sampler](), steps=base.train.steps)
     return tune.TuneConfig(
-        metric=METRIC,
-        mode="min",
         search_alg=search,
-        scheduler=scheduler,
+        scheduler=scheduler or FIFOScheduler(),
         num_samples=trials,
         max_concurrent_trials=concurrency,
+        reuse_actors=reuse,
     )
 
 

@@ -3,7 +3,8 @@
 A mode of training is an engine over this state: data_parallel.py (DDP, ZeRO-1, the gradient sync),
 laid_out.py (one rank's part of a tensor/pipeline-parallel replica), param_server.py (shards on parameter
 servers), diloco.py (local inner steps, an outer step every few). The actor (actor.py) picks one from the
-config when it starts (`make_engine`) and calls only the methods below; a new mode (sharded state) is one more engine, and one more line there.
+config when it starts (`make_engine`) and calls only the methods below; a new mode (sharded state) is one
+more engine, and one more line there.
 """
 
 from __future__ import annotations
