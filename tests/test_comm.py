@@ -186,3 +186,22 @@ def test_parameter_server_mode_bounds_staleness_and_resumes(make_cfg):
     # Went on from the trained weights, not from scratch (single-step losses 8 steps apart are too noisy to compare).
     assert max(r["loss"] for r in steps[20:]) < 0.8 * steps[0]["loss"]
     assert steps[24]["lr"] == pytest.approx(cfg.optim.lr * lr_factor(24, cfg.optim, 28))  # the schedule went on
+
+
+def test_the_report_says_a_slow_link_bounds_a_run_and_its_absence_does_not(make_cfg, rng, tmp_path):
+    """Issue 31: the advice on real runs. Under a simulated link slow enough that a dense step's bytes take several
+    times the tiny model's compute, communication bounds the run and DiLoCo is the fastest mode by the model; the
+    same run without a link is told nothing would pay."""
+    from app.report import write_report
+
+    gbps = float(rng.choice([0.02, 0.03, 0.05]))
+    print(f"link {gbps} Gbit/s")
+    slow = run(make_cfg, "slow-link", f"faults=[{{kind: link, rank: 0, step: 1, gbps: {gbps}, latency_ms: 1}}]")
+    fast = run(make_cfg, "no-link")
+    slow_says = write_report(slow, tmp_path / "slow")["summary"]["communication"]
+    fast_says = write_report(fast, tmp_path / "fast")["summary"]["communication"]
+    assert slow_says["bound"] and "it bounds this run" in slow_says["advice"]
+    assert slow_says["best"].startswith("diloco") and slow_says["modes"][slow_says["best"]] < slow_says["step_s"]
+    assert not fast_says["bound"] and "does not bound" in fast_says["advice"]
+    assert slow_says["share"] > fast_says["share"]
+    assert (tmp_path / "slow" / "report.html").read_text().count("it bounds this run") == 1

@@ -31,7 +31,7 @@ from app.core.records import read_jsonl
 METRIC = "eval_loss"
 # ASHA's defaults, chosen from the trade-off curve bench/hpo.py measures (bench/README.md, "HPO"): trials go on
 # past GRACE evaluations before any is stopped, and 1/REDUCTION of them go on at each rung.
-REDUCTION = 3
+REDUCTION = 2
 GRACE = 1
 
 
