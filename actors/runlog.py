@@ -34,7 +34,8 @@ class RunLog:
         self.latest: dict[str, dict] = {}  # the last record of each kind (status shows them)
         self._events: list[dict] = []  # for the driver's next poll
         self._commits: deque = deque(maxlen=PACE_STEPS)
-        self.recent: deque = deque(maxlen=PACE_STEPS)  # the last train records: status's communication advice
+        # the last train records, for status's communication advice: DiLoCo's bytes come once a window, so two
+        self.recent: deque = deque(maxlen=max(PACE_STEPS, 2 * cfg.window))
         self._lock = threading.Lock()
 
     def record(self, record: Record) -> None:

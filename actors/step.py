@@ -11,6 +11,7 @@ the run goes back to its last checkpoint).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -63,7 +64,9 @@ class Stepper:
         batch = self.cfg.batch_at(len(workers))
         was_balanced = self.balancer.balanced
         shares = self.shares(at.cursor, batch, workers)
-        limit, faults = self.guards.limit(), self.faults.due(n, self.team.pool.ready() > 0)
+        # DiLoCo: each worker's gradient is its own, no rank sees the group's norm to judge the batch by
+        limit = math.inf if self.cfg.comm.mode == "diloco" else self.guards.limit()
+        faults = self.faults.due(n, self.team.pool.ready() > 0)
         link = self.faults.link(n)
         refs = [
             w.train_step.remote(n, ids, batch, at.cursor, faults.get(rank), self.guards.lr_scale, limit, link)

@@ -391,6 +391,11 @@ def cmd_tune(args, started_at: float) -> int:
 
     if args.trials < 1 or args.concurrency < 1:
         raise ConfigError(f"--trials and --concurrency must be at least 1, got {args.trials} and {args.concurrency}")
+    if args.resume and (args.reduction is not None or args.grace is not None):
+        raise ConfigError(
+            "--reduction and --grace are fixed when a search starts (its study holds the scheduler): a resumed "
+            "search keeps its own; leave them out, or start a new search with another --out"
+        )
     if args.reduction is not None and args.reduction <= 1 or args.grace is not None and args.grace < 1:
         raise ConfigError(f"--reduction must be above 1 and --grace at least 1, got {args.reduction} and {args.grace}")
     out = Path(args.out)

@@ -289,10 +289,12 @@ def _show(e: dict, progress: Progress) -> None:
     kind = e["kind"]
     if kind == "train":
         progress.step(e)
-    elif kind in ("resume", "rollback"):
+    elif kind in ("resume", "rollback", "outer"):
         progress.rewind(e["step"])
         if kind == "resume":
             progress.event(_resumed(e))
+        elif kind == "outer":
+            progress.event(f"step {e['step']}: back to the last outer step ({e['reason']}); the window is redone")
     elif kind == "eval":
         progress.event(f"step {e['step']}: eval loss {e['eval_loss']:.4f}")
     elif kind == "warning":

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -88,7 +89,7 @@ def train_in_process(cfg, run_dir: Path, resume: bool = False, progress: bool = 
             rows = torch.from_numpy(reader.get(order.take(layout, (step - 1) * gb, gb)).astype(np.int64))
             optimizer.zero_grad(set_to_none=True)
             model(rows[:, :-1], rows[:, 1:])[1].backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or math.inf)  # 0: no clipping
             optimizer.step()
             scheduler.step()
             if step == steps or (every > 0 and step % every == 0):
@@ -204,7 +205,11 @@ def search_record(rows: list[dict], trials: Path, seed: int, wall_s: float) -> d
             {
                 "number": r["number"],
                 "status": r["status"],
-                "evals": [[e["step"], e["eval_loss"]] for e in read_jsonl(trials / r["trial"] / "metrics.jsonl")]
+                "evals": [
+                    [e["step"], e["eval_loss"]]
+                    for e in read_jsonl(trials / r["trial"] / "metrics.jsonl")
+                    if e["kind"] == "eval"
+                ]
                 if (trials / r["trial"] / "metrics.jsonl").is_file()
                 else [],
             }

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from app.cli import main
@@ -45,6 +47,8 @@ def test_override_sets_typed_value():
         ("comm.mode=diloco comm.zero=true", "comm.mode=diloco does not support comm.zero"),
         ("comm.mode=diloco parallel.tp=2", "comm.mode=diloco with parallel.tp × parallel.pp × parallel.shard > 1"),
         ("comm.diloco.inner_steps=0", "config key 'comm.diloco.inner_steps'"),
+        ("comm.mode=ps faults=[{rank: 0, step: 1, kind: link, gbps: 1}]", "comm.mode=ps, parallel layouts and PPO"),
+        ("parallel.tp=2 faults=[{rank: 0, step: 1, kind: link, gbps: 1}]", "leave the link fault out"),
         ("faults=[{rank: 0, step: 1, kind: link}]", "a link fault needs `gbps`"),
         ("faults=[{rank: 0, step: 1, kind: kill, gbps: 1}]", "`gbps` applies to link faults, not kill"),
         ("faults=[{rank: 0, step: 1, kind: link, gbps: 0}]", "config key 'faults.0.gbps'"),
@@ -52,7 +56,7 @@ def test_override_sets_typed_value():
 )
 def test_bad_override_names_key_and_problem(override, expected):
     with pytest.raises(ConfigError) as err:
-        load_config("tiny", override.split(" ") if "faults" not in override else [override])
+        load_config("tiny", re.split(r" (?=\w[\w.]*=)", override))  # at each key=, not inside a fault's value
     assert expected in str(err.value)
 
 

@@ -138,8 +138,11 @@ def test_a_worker_lost_between_outer_steps_sends_the_window_back_and_a_joiner_ta
     cfg = make_cfg(*base, "run.name=lost", f"faults=[{{rank: {rank}, step: {step}, kind: kill, ready_pool: true}}]")
     run_dir = new_run_dir(cfg)
     assert train(cfg, run_dir, progress=False)["steps"] == steps
-    # held until the pool worker was ready; its record went aside with the redone window's (metrics.redone.jsonl)
-    fired = [r for r in read_jsonl(run_dir / "metrics.redone.jsonl") if r["kind"] == "fault"][0]["step"]
+    # held until the pool worker was ready; its record went aside with the redone window's (metrics.redone.jsonl),
+    # unless it fired at a window's first step, where nothing is redone
+    redone = run_dir / "metrics.redone.jsonl"
+    kept = [*(read_jsonl(redone) if redone.exists() else []), *read_jsonl(run_dir / "metrics.jsonl")]
+    fired = [r for r in kept if r["kind"] == "fault"][0]["step"]
     start = (fired - 1) // H * H
     rewinds = records(run_dir, "outer")
     if (fired - 1) % H:  # the lost step was not the first of its window: the window's steps before it are redone
@@ -158,3 +161,36 @@ def test_a_worker_lost_between_outer_steps_sends_the_window_back_and_a_joiner_ta
     # Up to the window's first step, the uninterrupted run's: that step's loss is of the outer parameters alone (the
     # survivor's restored, the joiner's taken from it), on the same shares
     assert losses(run_dir)[: start + 1] == losses(reference)[: start + 1]
+
+
+def test_an_outer_step_whose_step_failed_is_undone_before_the_window_is_redone(make_cfg):
+    """A rank whose outer step ran while its step as a whole failed (a peer lost after this rank's all-reduce) holds
+    outer parameters and momentum the run never committed; rejoining restores the last committed ones exactly, as
+    on the ranks that never got that far."""
+    cfg = make_cfg(*BASE)
+    engine = Diloco(cfg, torch.device("cpu"))
+    engine.join(0, 1)
+    manifest = resolve_data(cfg)
+    reader = ShardReader(manifest, "train", cfg.data.cache_shards)
+
+    def window(first: int) -> None:
+        for step in range(first, first + H):
+            engine.optimizer.zero_grad(set_to_none=True)
+            engine.forward_backward(torch.from_numpy(reader.get(np.arange(8) + step).astype(np.int64)), 8, Injected())
+            engine.update(8, 1.0, math.inf)
+            engine.outer_step(step)
+            if step < first + H - 1:
+                engine.committed(step)
+
+    window(1)
+    engine.committed(H)  # the first outer step lands: momentum now nonzero
+    committed = [o.clone() for o in engine.outer], engine.outer_optimizer.state_dict()["state"]
+    committed_momentum = {k: v["momentum_buffer"].clone() for k, v in committed[1].items()}
+    window(H + 1)  # the second outer step runs, but its step is not committed
+    assert not all(torch.equal(a, b) for a, b in zip(engine.outer, committed[0]))
+    engine.leave(failed=True)
+    engine.join(0, 1)
+    assert all(torch.equal(a, b) for a, b in zip(engine.outer, committed[0]))
+    assert all(torch.equal(a, b) for a, b in zip(engine.trained, committed[0]))
+    after = engine.outer_optimizer.state_dict()["state"]
+    assert all(torch.equal(after[k]["momentum_buffer"], v) for k, v in committed_momentum.items())

@@ -58,6 +58,7 @@ def test_bad_space_exits_2(tmp_path, capsys):
     [
         (["--reduction", "1"], "--reduction must be above 1"),
         (["--grace", "0"], "--grace at least 1"),
+        (["--resume", "--reduction", "3"], "a resumed search keeps its own"),
         (["--grace", "2", "--set", "train.steps=8", "--set", "train.eval_every=4"], "ASHA would stop nothing"),
     ],
 )

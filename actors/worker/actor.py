@@ -393,7 +393,10 @@ def assemble(parts: dict[str, bytes]) -> dict:
     # DiLoCo's inner optimizer states: rank 0's is optim.pt, each other rank's its own file
     inner = {int(m[1]): n for n in parts if (m := re.fullmatch(r"inner-(\d+)\.pt", n))}
     if inner and sorted(inner) != list(range(1, len(inner) + 1)):
-        raise ValueError(f"the checkpoint's inner optimizer files are not one per rank 1..N-1: {sorted(inner)}")
+        raise ValueError(
+            f"the checkpoint's inner optimizer files are not one per rank 1..N-1: {sorted(inner)}; move this "
+            "checkpoint's directory aside and resume: the run goes on from the newest checkpoint before it"
+        )
     inners = [optimizer, *(deserialize(parts[inner[r]]) for r in sorted(inner))] if inner else None
     extra = deserialize(parts["extra.pt"])
     return {"model": model, "optimizer": optimizer, **extra, "residuals": carried, "inner": inners}

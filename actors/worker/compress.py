@@ -64,14 +64,17 @@ class GradSync:
         self.die_in_allreduce = False  # a fault (actors/faults.py): exit once the first bucket is on its way
         self.link: Link | None = None  # a simulated link (fault kind link): each bucket's collective lasts its time
         self._world = 1
+        self._powersgd: powersgd.PowerSGDState | None = None
+        self._group_steps = 0  # steps begun in this group
 
     def register(self, ddp: DDP) -> None:
         """Install the hook on a new DDP; call once per DDP, before its first backward."""
         group = ddp.process_group
-        self._world = group.size()
+        self._world, self._group_steps = group.size(), 0
         if self.mode == "powersgd":
-            # torch counts its own steps from each new group, and needs at least 2 of plain all-reduce.
-            state = powersgd.PowerSGDState(
+            # Its start counts the run's steps (`begin` sets torch's counter), not each group's own; but torch needs
+            # 2 steps of plain all-reduce on every new DDP (it rebuilds its buckets after the first).
+            self._powersgd = state = powersgd.PowerSGDState(
                 group, matrix_approximation_rank=self.powersgd_rank, start_powerSGD_iter=max(2, self.start)
             )
             hook = (
@@ -87,6 +90,9 @@ class GradSync:
         """Step `step` (the run's step number, 1-based as in its records) starts: every rank decides alike by it,
         joiners too."""
         self.step, self._next = step, {}
+        self._group_steps += 1
+        if self._powersgd is not None:
+            self._powersgd.iter = step - 1 if self._group_steps > 2 else 0
 
     def commit(self, applied: int, sent: bool = True) -> None:
         """The step succeeded and the state is now at `applied`. `sent`: its gradient was applied; an outlier's

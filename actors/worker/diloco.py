@@ -34,6 +34,7 @@ class Diloco(DataParallel):
         self.kept = self._inner_state()  # this worker's inner optimizer and schedule at the last outer step
         self.samples = 0  # taken since the last outer step: the weight of this worker's pseudo-gradient
         self._carried: list[dict] | None = None  # a checkpoint's inner optimizer states, one per rank that saved
+        self._before: tuple[list, dict] | None = None  # the outer state before an outer step not yet committed
         self._sent = 0
 
     def join(self, rank: int, world: int) -> None:
@@ -61,6 +62,7 @@ class Diloco(DataParallel):
         if not self.cfg.outer_step(step):
             return 0.0
         started = time.perf_counter()
+        self._before = ([o.clone() for o in self.outer], snapshot(self.outer_optimizer.state_dict()))
         with torch.no_grad():
             flat = torch.cat([(o - p).flatten() for o, p in zip(self.outer, self.trained)])
             if self.world > 1:
@@ -85,7 +87,7 @@ class Diloco(DataParallel):
     def committed(self, step: int) -> None:
         """Only an outer step ends a state a peer can take: between two, each worker's parameters are its own."""
         if self.cfg.outer_step(step):
-            self.applied, self.kept = step, self._inner_state()
+            self.applied, self.kept, self._before = step, self._inner_state(), None
 
     def take_stats(self) -> dict:
         sent, self._sent = self._sent, 0
@@ -109,7 +111,7 @@ class Diloco(DataParallel):
         self.outer_optimizer = torch.optim.SGD(self.outer, **self._outer_defaults())
         if state.get("outer"):
             self.outer_optimizer.load_state_dict(state["outer"])
-        self.samples, self.kept, self._carried = 0, self._inner_state(), state.get("inner")
+        self.samples, self.kept, self._carried, self._before = 0, self._inner_state(), state.get("inner"), None
         if self._carried is not None and self.world > 0:
             self._take_carried()
 
@@ -131,6 +133,15 @@ class Diloco(DataParallel):
         self.kept = self._inner_state()
 
     def _restore(self) -> None:
+        """Back to the last committed outer step: an outer step whose step then failed is undone first (this rank's
+        all-reduce may have ended while a peer's did not)."""
+        if self._before is not None:
+            outer, momentum = self._before
+            with torch.no_grad():
+                for o, old in zip(self.outer, outer):
+                    o.copy_(old)
+            self.outer_optimizer.load_state_dict(momentum)
+            self._before = None
         with torch.no_grad():
             for p, o in zip(self.trained, self.outer):
                 p.copy_(o)

@@ -84,7 +84,7 @@ def _advice(share: float, step_s: float, modes: dict[str, float], best: str) -> 
     caveat = (
         " at a loss that stays within a few percent of dense at equal samples (bench/results/lowband.json)"
         if best.startswith("diloco")
-        else " (top-k ends 14-19% above dense in eval loss at equal steps here: bench/results/comm.json)"
+        else " (top-k ends about 7% above dense in eval loss at equal steps here, warm-up included: bench/README.md)"
         if best.startswith("topk")
         else ""
     )

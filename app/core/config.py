@@ -823,10 +823,12 @@ class Config(Section):
             )
         if self.comm.mode == "diloco":
             self._check_diloco()
-        if any(f.kind == "link" for f in self.faults) and (self.comm.mode == "ps" or self.parallel.ranks > 1):
+        if any(f.kind == "link" for f in self.faults) and (
+            self.comm.mode == "ps" or self.parallel.ranks > 1 or self.ppo.reward
+        ):
             raise ValueError(
-                "a link fault models the gradient all-reduce of data parallelism and DiLoCo; comm.mode=ps and "
-                "parallel layouts send theirs another way: leave the link fault out"
+                "a link fault models the gradient all-reduce of data parallelism and DiLoCo; comm.mode=ps, "
+                "parallel layouts and PPO (ppo.reward) send theirs another way: leave the link fault out"
             )
         if self.comm.zero and self.checkpoint.every == 0:
             raise ValueError(
