@@ -43,6 +43,7 @@ class Observation:
     checkpoint_due: bool = False
     draining: int = 0  # members on draining nodes (preempted, or at risk): they leave at this boundary
     outer_step: bool = True  # the last step ended a window (DiLoCo): a resize waits for one unless a node drains
+    in_flight: bool = False  # the next step was sent already (actors/step.py): it runs before anything else
 
 
 def next_state(state: State, obs: Observation) -> State:
@@ -50,6 +51,8 @@ def next_state(state: State, obs: Observation) -> State:
         return state
     if obs.lost:
         return State.RECOVERING if obs.recoveries < obs.max_recoveries else State.FAILED
+    if obs.in_flight:  # its workers are in it: a resize or a drain waits one step (nothing else can be due)
+        return State.RUNNING
     if obs.evaluation_due:
         return State.EVALUATING
     if obs.checkpoint_due:

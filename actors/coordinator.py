@@ -137,6 +137,7 @@ class Coordinator:
             checkpoint_due=self.saver.level(step) is not None and self.saved_step != step,
             draining=self.team.draining_members(),
             outer_step=self.outer.start.step == step,
+            in_flight=self.stepper.ahead is not None,
         )
         self.phase = next_state(self.phase, obs)
         return self.phase

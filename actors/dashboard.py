@@ -122,7 +122,7 @@ class Dashboard:
             self.grad_norm_total.inc(r["grad_norm"], tags=self.tags)
         if "compute_s" in r:  # a step with every member's result (not parameter-server mode)
             for part in STEP_PARTS:
-                self._set("step_seconds", r[f"{part}_s"], self.step_seconds, part=part)
+                self._set("step_seconds", r.get(f"{part}_s"), self.step_seconds, part=part)
         self.cache["hits"] += r.get("cache_hits", 0)
         self.cache["served"] += r.get("cache_hits", 0) + r.get("cache_misses", 0)
         if self.cache["served"]:

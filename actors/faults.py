@@ -54,6 +54,14 @@ class FaultPlan:
             self.record(FaultFired(step, f.model_dump()))
         return {f.rank: f.model_dump() for f in due.values()}
 
+    def pending(self, step: int) -> bool:
+        """Whether a fault may meet `step` (not yet fired; its own step, or one that waits for a ready pool worker):
+        such a step is not sent ahead, so a fault is never spent on a step that a failure before it discards."""
+        return any(
+            i not in self.fired and f.kind != "link" and (f.step == step or f.ready_pool and f.step < step)
+            for i, f in enumerate(self.faults)
+        )
+
     def link(self, step: int) -> dict | None:
         """The simulated link in force at `step` (1-based), for every rank: the last link fault whose step has come.
         It is recorded once, as it first applies."""

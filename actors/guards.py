@@ -4,7 +4,9 @@ A gradient-norm outlier (above the running mean + k·σ of the accepted norms) i
 usually a bad batch, not a lesson: its update is skipped and the batch's samples
 go to the run's quarantine log. The statistics are a pure function of the norms
 accepted so far and travel in checkpoints, so a resumed run makes the same
-decisions.
+decisions. A step is judged by the norms of the steps up to the one before its
+predecessor: the coordinator sends a step before its predecessor's norm is in
+(actors/step.py), and a step sent after it is judged alike.
 """
 
 from __future__ import annotations
@@ -61,16 +63,24 @@ class Guards:
     norms: NormWatch = field(default_factory=NormWatch)
     lr_scale: float = 1.0
     nan_rollbacks: int = 0
+    judged: int = 0  # the last step whose norm the statistics took in (accepted or rejected)
+    before: float = math.inf  # the limit before they took it in
 
-    def limit(self) -> float:
+    def limit(self, step: int) -> float:
+        """The largest norm step `step` may have: from the norms of the steps before `step` − 1."""
+        return self._limit() if self.judged < step - 1 else self.before
+
+    def _limit(self) -> float:
         return self.norms.limit(self.cfg.outlier_sigmas, self.cfg.outlier_warmup)
 
-    def accept(self, grad_norm: float) -> None:
+    def accept(self, step: int, grad_norm: float) -> None:
+        self.before, self.judged = self._limit(), step
         if math.isfinite(grad_norm):  # fp16: an overflow the scaler skipped says nothing
             self.norms.add(grad_norm)
 
-    def reject(self) -> bool:
+    def reject(self, step: int) -> bool:
         """An outlier was skipped; True when the guard started over (a new regime)."""
+        self.before, self.judged = self._limit(), step
         return self.norms.reject(self.cfg.outlier_patience)
 
     def diverged(self, step: int, resume_hint: str, suspects: str = "lower optim.lr or check the data") -> None:
@@ -85,10 +95,15 @@ class Guards:
         self.lr_scale /= 2
 
     def state(self) -> dict:
-        return {"lr_scale": self.lr_scale, "norms": self.norms.state()}
+        before = self.before if math.isfinite(self.before) else None  # JSON has no infinity
+        return {"lr_scale": self.lr_scale, "norms": self.norms.state(), "limit_before": before, "judged": self.judged}
 
     def load(self, meta: dict, resume: bool) -> None:
-        """A checkpoint's guards; a rollback keeps the lr it has halved since."""
+        """A checkpoint's guards; a rollback keeps the lr it has halved since. A checkpoint written before the
+        limits lagged a step has no `limit_before`: its next step is judged by all the norms it holds."""
         if resume:
             self.lr_scale = meta.get("lr_scale", 1.0)
         self.norms = NormWatch(**meta.get("norms", {}))
+        before = meta.get("limit_before")
+        self.before = math.inf if before is None else before
+        self.judged = meta.get("judged", meta["step"] - 1) if "limit_before" in meta else meta["step"] - 1

@@ -32,6 +32,7 @@ class StepReport:
     peak_rss: int  # the worker process's peak resident memory so far, in bytes
     data: dict  # hits, misses, wait_s
     saving: bool  # a checkpoint part is still being written
+    update_s: float = 0.0  # clipping and the optimizer's step
     ppo: dict | None = None  # a PPO step's sums over this worker's rollouts (actors/worker/rollout.py)
 
 

@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import ray
 
+from actors.control import due
 from actors.gather import WorkersLost
 from actors.protocol import StepReport
 from app.core.config import Config
@@ -45,11 +47,27 @@ class Outcome:
     diverged: bool = False  # a non-finite gradient: a rollback comes next
 
 
+@dataclass
+class Sent:
+    """A step given to the workers: its members and their shares, the outlier limit it is judged by, and when its
+    wall time started (when it was sent, or when the step before it came back if it was sent ahead of that one)."""
+
+    step: int
+    workers: list
+    shares: list[np.ndarray]
+    batch: int
+    limit: float
+    refs: list
+    started: float
+    ahead: bool = False
+
+
 class Stepper:
     def __init__(self, cfg: Config, team, data, balancer, guards, faults, saver, log):
         self.cfg, self.team, self.data, self.balancer = cfg, team, data, balancer
         self.guards, self.faults, self.saver, self.log = guards, faults, saver, log
         self.tokens_per_sample = cfg.model.seq_len
+        self.ahead: Sent | None = None  # the next step, sent before this one's reports came back
 
     def state(self) -> dict:
         """What checkpoints hold of the stepper (a PPO stepper's KL coefficient); none for training steps."""
@@ -59,40 +77,83 @@ class Stepper:
         """Back to a checkpoint's `state()`."""
 
     def run(self, at: Position) -> Outcome:
-        started = time.perf_counter()
-        workers, n = self.team.workers, at.step + 1
-        batch = self.cfg.batch_at(len(workers))
+        n, workers = at.step + 1, self.team.workers
+        sent = self.ahead if self.ahead is not None else self.send(n, at.cursor, workers)
+        self.ahead = None
+        if self.may_send_ahead(n, workers):  # the workers go on while this loop commits step n and decides
+            self.ahead = self.send(n + 1, at.cursor + sent.batch, workers, ahead=True)
         was_balanced = self.balancer.balanced
-        shares = self.shares(at.cursor, batch, workers)
-        # DiLoCo: each worker's gradient is its own, no rank sees the group's norm to judge the batch by
-        limit = math.inf if self.cfg.comm.mode == "diloco" else self.guards.limit()
-        faults = self.faults.due(n, self.team.pool.ready() > 0)
-        link = self.faults.link(n)
-        refs = [
-            w.train_step.remote(n, ids, batch, at.cursor, faults.get(rank), self.guards.lr_scale, limit, link)
-            for rank, (w, ids) in enumerate(zip(workers, shares))
-        ]
         try:
-            reports: list[StepReport] = self.team.gather(refs, workers, f"step {n}", self.cfg.timeouts.step_s)
+            reports: list[StepReport] = self.team.gather(sent.refs, workers, f"step {n}", self.cfg.timeouts.step_s)
         except WorkersLost as gone:
+            self.drop_ahead()
             survivors = [done for w, done in zip(workers, gone.finished) if w not in gone.lost]
             if survivors and all(survivors):  # their all-reduce had every share in it
-                self.commit(at, batch, None, 0.0)
-            return Outcome(lost=gone.lost, since=started)
+                self.commit(at, sent.batch, None, 0.0)
+            return Outcome(lost=gone.lost, since=sent.started)
+        returned = time.perf_counter()
+        if self.ahead is not None:
+            self.ahead.started = returned
         if not all(r.finite for r in reports):
+            self.drop_ahead()  # it stepped on weights the rollback replaces
             return Outcome(diverged=True)
         lead = reports[0]
         if lead.skipped:
-            self.data.quarantine(n, np.concatenate(shares[:: self.team.ranks]), lead.grad_norm, limit)
-            self.log.record(Outlier(n, lead.grad_norm, limit, batch, self.guards.reject()))
+            self.data.quarantine(n, np.concatenate(sent.shares[:: self.team.ranks]), lead.grad_norm, sent.limit)
+            self.log.record(Outlier(n, lead.grad_norm, sent.limit, sent.batch, self.guards.reject(n)))
         else:
-            self.guards.accept(lead.grad_norm)
+            self.guards.accept(n, lead.grad_norm)
         for worker, report in zip(workers, reports):
             self.balancer.observe(worker, report.share, report.compute_s)
         if self.balancer.balanced != was_balanced:
-            self.log.record(Balance(n, self.balancer.balanced, [len(s) for s in shares]))
-        self.commit(at, batch, reports, time.perf_counter() - started)
+            self.log.record(Balance(n, self.balancer.balanced, [len(s) for s in sent.shares]))
+        self.commit(at, sent.batch, reports, returned - sent.started, ahead=sent.ahead)
         return Outcome()
+
+    def send(self, n: int, cursor: int, workers: list, ahead: bool = False) -> Sent:
+        """Give step `n` (the batch at `cursor`) to `workers`."""
+        batch = self.cfg.batch_at(len(workers))
+        shares = self.shares(cursor, batch, workers)
+        # DiLoCo: each worker's gradient is its own, no rank sees the group's norm to judge the batch by
+        limit = math.inf if self.cfg.comm.mode == "diloco" else self.guards.limit(n)
+        faults = self.faults.due(n, self.team.pool.ready() > 0)
+        link = self.faults.link(n)
+        refs = [
+            w.train_step.remote(n, ids, batch, cursor, faults.get(rank), self.guards.lr_scale, limit, link)
+            for rank, (w, ids) in enumerate(zip(workers, shares))
+        ]
+        return Sent(n, workers, shares, batch, limit, refs, time.perf_counter(), ahead)
+
+    def may_send_ahead(self, n: int, workers: list) -> bool:
+        """Whether step n + 1 can go to the workers before step n's reports are back: when nothing but another step
+        can follow step n (no evaluation, save, end or resize is due after it, no fault at n + 1), of data parallelism
+        at one rank a replica. A failure in step n discards it (`drop_ahead`): exactly once holds as before."""
+        c = self.cfg
+        return (
+            c.train.send_ahead
+            and c.comm.mode == "allreduce"
+            and self.team.ranks == 1
+            and n < c.train.steps
+            and not due(n, c.train.eval_every, c.train.steps, c.window)
+            and self.saver.level(n) is None
+            and not self.faults.pending(n + 1)
+            and self.team.target() == len(workers)
+            and not self.team.draining_members()
+        )
+
+    def drop_ahead(self) -> None:
+        """Step n failed: the step sent after it is not committed. Its workers end it before anything else this
+        loop asks of them (an actor runs its calls in order); what it did to their state, a recovery or a rollback
+        replaces. Waited for a moment, so that its answer (most often an error: its group is gone) is read."""
+        if self.ahead is None:
+            return
+        refs, self.ahead = self.ahead.refs, None
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeouts.ping_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                pass
 
     def shares(self, cursor: int, batch: int, workers: list) -> list[np.ndarray]:
         """Each member's sample ids: split by measured speed; with a layout, split over the replicas (each share a
@@ -106,11 +167,18 @@ class Stepper:
         return [replicas[par.place(rank).replica] for rank in range(len(workers))]
 
     def commit(
-        self, at: Position, batch: int, reports: list[StepReport] | None, elapsed: float, extra: dict | None = None
+        self,
+        at: Position,
+        batch: int,
+        reports: list[StepReport] | None,
+        elapsed: float,
+        extra: dict | None = None,
+        ahead: bool = False,
     ) -> None:
-        """The step is done: the cursor moves on, and its record is written (with `extra`: a PPO step's means), and a
-        save in flight commits once its writers say they are done. Without reports when the survivors of a lost
-        member committed it (their losses miss the lost one's share)."""
+        """The step is done: the cursor moves on, and its record is written (with `extra`: a PPO step's means; `ahead`:
+        it was sent before the step before it came back), and a save in flight commits once its writers say they
+        are done. Without reports when the survivors of a lost member committed it (their losses miss the lost
+        one's share)."""
         at.advance(batch)
         workers = len(self.team.workers)
         record = Train(at.step, workers, batch, at.cursor, self.cfg.parallel.replicas(workers), extra=extra or {})
@@ -140,10 +208,16 @@ class Stepper:
                 cost["cache_misses"],
             )
             record.fetched_bytes, record.fetched_shards = cost["fetched_bytes"], cost["fetched_shards"]
-            # The step's wall time by part (STEP_PARTS), as the slowest worker spent it; "other" is the rest: dispatch,
-            # the optimizer update, the commit. The checkpoint stall came before the step.
+            # The step's wall time by part (STEP_PARTS), as the slowest worker spent it. "dispatch" is the wall time
+            # beyond that worker's own: the call's way there and back, and the coordinator's loop while no step was
+            # on the workers (none, when this step was sent ahead); "other" the worker's rest (its call's set-up,
+            # reading its rows, its report). The checkpoint stall came before the step.
+            record.sent_ahead = ahead
             record.compute_s, record.communication_s = slowest.compute_s, slowest.communication_s
-            record.other_s = max(0.0, elapsed - slowest.compute_s - slowest.communication_s - record.data_wait_s)
+            record.update_s = slowest.update_s
+            record.dispatch_s = max(0.0, elapsed - slowest.worker_s)
+            spent = slowest.compute_s + slowest.communication_s + record.data_wait_s + slowest.update_s
+            record.other_s = max(0.0, min(elapsed, slowest.worker_s) - spent)
             record.checkpoint_stall_s = self.saver.stall
         self.saver.stall = 0.0
         self.log.record(record)

@@ -206,7 +206,7 @@ def _data_wait(records: list[dict]) -> Figure:
     """Data wait alone (log scale when it spans decades, so loader stalls stand out), then the whole step split:
     whether a slow step waited on data, compute or the all-reduce."""
     train = [r for r in _of(records, "train") if r.get("data_wait_s") is not None]
-    split = [r for r in train if all(r.get(k) is not None for k in SPLIT)]
+    split = [r for r in train if r.get("compute_s") is not None]  # a run before "update" and "dispatch": 0 of each
     fig = _figure((8, 6) if split else (8, 3.5))
     axes = fig.subplots(2 if split else 1, 1, sharex=True, squeeze=False)[:, 0]
     wait = [r["data_wait_s"] * 1000 for r in train]
@@ -219,7 +219,7 @@ def _data_wait(records: list[dict]) -> Figure:
     if split:
         ax, steps, bottom = axes[1], [r["step"] for r in split], np.zeros(len(split))
         for key in SPLIT:
-            ms = np.array([r[key] * 1000 for r in split])
+            ms = np.array([r.get(key, 0.0) * 1000 for r in split])
             ax.bar(steps, ms, width=1.0, bottom=bottom, lw=0, label=key.removesuffix("_s").replace("_", " "))
             bottom += ms
         title, top = "Step time split", 1.3 * np.percentile(bottom, 98)

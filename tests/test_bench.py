@@ -87,6 +87,27 @@ def test_throughput_plain_variant_runs(tmp_path):
     assert len(times) == 8 and times == sorted(times)
 
 
+def test_gpu_check_runs_every_path_on_cpu_and_ours_trains_as_plain_torch(tmp_path):
+    """bench/gpu.py's smoke test (no GPU here): plain torch, our worker's step and fused AdamW on the GPT and the
+    Llama, bf16 and fp16 with GradScaler, without Ray; the same losses from the same weights and rows."""
+    out = tmp_path / "gpu.json"
+    args = ["--device", "cpu", "--rounds", "1", "--steps", "3", "--warmup", "2", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, "bench/gpu.py", *args], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    variants = {f"{m}/{p}/{loop}" for m in ("gpt", "llama") for p in ("bf16", "fp16") for loop in ("plain", "ours")}
+    assert variants <= set(report["figures"])
+    assert all(f["tokens_per_s"]["median"] > 0 and f["mfu"] is None for f in report["figures"].values())  # no CPU MFU
+    gaps = {k: v for k, v in report["ratios"].items() if "loss gap" in k}
+    assert len(gaps) == 4 and all(v < 1e-5 for v in gaps.values()), gaps
+    assert "unavailable" in report["nvml"]
+    assert report["without_ray"]  # the machine that lends a GPU has no Ray
+    refused = subprocess.run([sys.executable, "bench/gpu.py"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert refused.returncode == 2 and "--device cpu" in refused.stderr
+
+
 def test_data_bench_direct_reader_delivers_every_row(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     import data

@@ -32,6 +32,9 @@ def obs(**kw) -> Observation:
         (State.RUNNING, obs(draining=1, lost=1), State.RECOVERING),
         (State.RUNNING, obs(target=3, outer_step=False), State.RUNNING),  # DiLoCo: a resize waits for an outer step
         (State.RUNNING, obs(draining=1, outer_step=False), State.RESIZING),  # a drain does not: the window is redone
+        (State.RUNNING, obs(in_flight=True, target=3), State.RUNNING),  # a step sent ahead runs before a resize
+        (State.RUNNING, obs(in_flight=True, draining=1), State.RUNNING),  # and before a drain
+        (State.RUNNING, obs(in_flight=True, lost=1), State.RECOVERING),  # (a failure discards it first)
         (State.FINISHED, obs(lost=1), State.FINISHED),
         (State.FAILED, obs(), State.FAILED),
     ],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import threading
 import time
@@ -55,6 +56,33 @@ def test_lost_worker_is_replaced_and_the_step_redone(make_cfg, reference, kind, 
     assert len(measured) >= 59 and all(abs(loss - expected[step]) < 1e-3 for step, loss in measured.items())
     if not regrow:
         assert measured == {step: expected[step] for step in measured}
+
+
+def test_a_step_sent_ahead_is_the_step_sent_after_and_a_failure_before_it_discards_it(make_cfg, reference, family):
+    """The reference sends each step before its predecessor's reports are back (train.send_ahead, the default). A
+    run that sends each after, with a worker lost at a step, rank and kind drawn from a seed, has the reference's
+    losses bitwise (where its world came back at once): what a step sent ahead computes is what it would have, and
+    the step sent ahead of a failed one is discarded and redone."""
+    rng = random.Random(seed := random.randrange(2**32))
+    step, rank, kind = rng.randrange(2, 59), rng.randrange(2), rng.choice(["kill", "kill_in_allreduce"])
+    print(f"seed {seed}: {kind} of rank {rank} at step {step}")
+    ahead = records(reference, "train")
+    assert not ahead[0].get("sent_ahead") and sum(bool(r.get("sent_ahead")) for r in ahead) >= 50
+    fault = f"faults=[{{rank: {rank}, step: {step}, kind: {kind}}}]"
+    after = run(make_cfg, "sent-after", *family, "train.steps=60", "train.eval_every=60", "train.send_ahead=false")
+    assert not any(r.get("sent_ahead") for r in records(after, "train"))
+    assert [r["loss"] for r in records(after, "train")] == [r["loss"] for r in ahead]
+    failed = run(make_cfg, "sent-ahead-lost", *family, "train.steps=60", "train.eval_every=60", fault)
+    steps = records(failed, "train")
+    assert [r["step"] for r in steps] == list(range(1, 61))
+    [change, *_] = records(failed, "membership")
+    assert change["reason"] == "recover" and change["step"] in (step - 1, step)
+    expected = {r["step"]: r["loss"] for r in ahead}
+    measured = {r["step"]: r["loss"] for r in steps if r.get("loss") is not None}
+    back_at_once = all(r["world_size"] == 2 for r in steps)
+    assert all(abs(loss - expected[n]) < 1e-3 for n, loss in measured.items())
+    if back_at_once:
+        assert measured == {n: expected[n] for n in measured}
 
 
 def test_autoscaling_grows_onto_free_room_with_linear_scaling(make_cfg):

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 
 from actors.control import JobError
-from actors.guards import NormWatch
+from actors.guards import Guards, NormWatch
+from app.core.config import TrainConfig
 from app.core.optim import lr_factor
 from app.job import train
 
@@ -29,6 +31,24 @@ def test_the_outlier_limit_is_mean_plus_sigmas_after_warmup():
     assert NormWatch(**watch.state()) == watch  # travels in checkpoints
     assert [watch.reject(patience=3) for _ in range(3)] == [False, False, True]  # a new regime: start over
     assert watch.limit(3.0, warmup=4) == math.inf and watch.n == 0
+
+
+def test_a_step_is_judged_alike_whether_its_predecessors_norm_is_in_or_not():
+    """Step n's limit comes from the norms of the steps before n − 1: the coordinator sends n before n − 1's norm
+    is in (actors/step.py); sent after it, n gets the same limit, and so does a run resumed from a checkpoint."""
+    rng = random.Random(seed := random.randrange(2**32))
+    print("seed", seed)
+    guards = Guards(TrainConfig(outlier_warmup=3))
+    for n in range(1, 40):
+        ahead = guards.limit(n)  # sent while step n − 1 was in flight
+        if n > 1:
+            norm = rng.uniform(1.0, 2.0) * (50 if rng.random() < 0.1 else 1)
+            guards.reject(n - 1) if norm > guards.limit(n - 1) else guards.accept(n - 1, norm)
+        assert guards.limit(n) == ahead, n
+        resumed = Guards(TrainConfig(outlier_warmup=3))
+        resumed.load({**guards.state(), "step": n - 1}, resume=True)
+        assert resumed.limit(n) == ahead, n
+    assert math.isfinite(guards.limit(40))
 
 
 @ray_test

@@ -1,5 +1,14 @@
-"""The training worker (actor.py) and its engines, one per mode of training (engine.py)."""
+"""The training worker (actor.py) and its engines, one per mode of training (engine.py).
 
-from actors.worker.actor import TrainWorker, assemble, spawn, step_seed
+The actor's names are imported on first use: the engines and a step's compute (compute.py) run without Ray
+(bench/gpu.py), and importing them must not bring it."""
 
 __all__ = ["TrainWorker", "assemble", "spawn", "step_seed"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from actors.worker import actor
+
+        return getattr(actor, name)
+    raise AttributeError(f"module 'actors.worker' has no attribute {name!r}")

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from actors.protocol import StepReport
 from actors.worker import rollout, zero_state
+from actors.worker.compute import train_on
 from actors.worker.data_parallel import DataParallel
 from actors.worker.diloco import Diloco
 from actors.worker.engine import Engine, peak_rss
@@ -206,30 +207,19 @@ class TrainWorker:
         max_norm: float = math.inf,
         link: dict | None = None,
     ) -> StepReport:
-        """This worker's share of one optimizer step: forward/backward with the gradient sync
-        overlapping it, then clip and update (and DiLoCo's outer step at a window's end). `link`: a simulated
-        link's fault (actors/worker/link.py), in force from its step on."""
+        """This worker's share of one optimizer step (compute.py), with the step's fault, seed and rows. `link`: a
+        simulated link's fault (actors/worker/link.py), in force from its step on."""
         started = time.perf_counter()
         torch.manual_seed(self._begin(step, fault))
         engine, sync = self.engine, self.engine.sync
         engine.link_to(link)
-        engine.model.train()
-        engine.optimizer.zero_grad(set_to_none=True)
         rows, data = self.train_data.get(ids, cursor)
-        if sync:
-            sync.begin(step)
-        computing = time.perf_counter()
         try:
-            loss_sum, norm = engine.forward_backward(self._tensor(rows), global_batch, self.injected)
-            synced = time.perf_counter()
-            grad_norm, lr = engine.update(global_batch, lr_scale, max_norm, norm)
-            outer_s = engine.outer_step(step)
+            done = train_on(engine, self._tensor(rows), step, global_batch, lr_scale, max_norm, self.injected)
         except Exception:
             self._abort_group()
             raise
-        stats = engine.take_stats()
-        # up to the last bucket: no waiting on peers. A replica's collectives are inside its schedule, not apart.
-        compute_s = (stats.get("last_ready") or synced) - computing
+        grad_norm = done.grad_norm
         finite = math.isfinite(grad_norm) or engine.scaler.is_enabled()  # fp16: the scaler skips overflows itself
         if finite:
             engine.committed(step)
@@ -238,15 +228,16 @@ class TrainWorker:
         return StepReport(
             finite=finite,
             skipped=math.isfinite(grad_norm) and grad_norm > max_norm,
-            loss=loss_sum,
+            loss=done.loss,
             grad_norm=grad_norm,
-            lr=lr,
+            lr=done.lr,
             share=len(ids),
-            compute_s=compute_s,
-            communication_s=synced - computing - compute_s + outer_s,
+            compute_s=done.compute_s,
+            communication_s=done.communication_s,
+            update_s=done.update_s,
             worker_s=time.perf_counter() - started,
-            comm_bytes=stats.get("comm_bytes", 0),
-            dense_bytes=stats.get("dense_bytes", 0),
+            comm_bytes=done.stats.get("comm_bytes", 0),
+            dense_bytes=done.stats.get("dense_bytes", 0),
             optimizer_bytes=engine.optimizer_bytes(),
             param_bytes=engine.param_bytes(),
             peak_rss=peak_rss(),

@@ -148,9 +148,9 @@ class Engine:
                     loss = loss * injected.poisoned
                 weighted = loss * len(chunk) / divisor
                 self.scaler.scale(weighted).backward()
-            losses.append(weighted.item())
+            losses.append(weighted.detach())
         injected.poisoned = 0.0
-        return losses
+        return torch.stack(losses).tolist()  # one wait for the device, not one per micro-batch
 
     def update(
         self, global_batch: int, lr_scale: float, max_norm: float, grad_norm: float | None = None

@@ -343,6 +343,12 @@ class TrainConfig(Section):
         "each step "
         "whatever the workers' speeds (balance.enabled=false) and torch's deterministic algorithms",
     )
+    send_ahead: bool = Field(
+        True,
+        description="send the next step to the workers before this one's reports are back, where nothing but a step "
+        "can follow (data parallelism at one rank a replica): the workers go on while the coordinator commits; a "
+        "failure discards the step sent ahead, so every sample still counts once",
+    )
     max_nan_rollbacks: int = Field(
         3,
         ge=0,

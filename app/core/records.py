@@ -18,7 +18,7 @@ from app.core.config import Config
 
 # The parts a step's wall time splits into (train records: `{part}_s`; the dashboard's `step_seconds{part}`; the
 # report's plot), and the phases of a membership change (membership records: `phases`; the dashboard's scale latency).
-STEP_PARTS = ("compute", "communication", "data_wait", "other", "checkpoint_stall")
+STEP_PARTS = ("compute", "communication", "data_wait", "update", "dispatch", "other", "checkpoint_stall")
 CHANGE_PHASES = ("detect", "acquire", "migrate", "reform", "first_step")
 
 
@@ -64,7 +64,10 @@ class Train(Record):
     fetched_shards: int | None = None
     compute_s: float | None = None
     communication_s: float | None = None
+    update_s: float | None = None  # clipping and the optimizer's step
+    dispatch_s: float | None = None  # the control path's share: the wall time beyond the slowest worker's own
     other_s: float | None = None
+    sent_ahead: bool | None = None  # sent before the step before it came back (actors/step.py)
     checkpoint_stall_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # mode-specific fields (parameter-server staleness)
 
