@@ -44,11 +44,20 @@ from app.core.comm_model import advise
 from app.core.config import Config
 from app.core.errors import why
 from app.core.lease import Lease
-from app.core.records import Eval, NanRollback, Rewind
+from app.core.records import START_PHASES, Eval, NanRollback, Rewind, Start
 
 
 class Coordinator:
-    def __init__(self, cfg_dict: dict, run_dir: str, manifest: str, started_at: float, workers: list, lease: Lease):
+    def __init__(
+        self,
+        cfg_dict: dict,
+        run_dir: str,
+        manifest: str,
+        started_at: float,
+        workers: list,
+        lease: Lease,
+        connected_at: float | None = None,
+    ):
         self.cfg = cfg = Config.model_validate(cfg_dict)
         self.run_dir = Path(run_dir)
         self.hint = f"resume with `etrain train --resume {self.run_dir}`"
@@ -69,6 +78,8 @@ class Coordinator:
         self.outer = OuterSteps(cfg)
         self.lost: Lost | None = None  # members lost: the next decision is a recovery
         self.saved_step = self.evaluated_step = 0
+        # when the start's phases ended (START_PHASES): the driver's start, Ray's, ... the first step's (a Start record)
+        self.starting: list[float] | None = [started_at, connected_at or started_at]
 
     def run(self, resume: bool) -> dict:
         try:
@@ -101,10 +112,18 @@ class Coordinator:
             self._stop()
 
     def _start(self, resume: bool) -> None:
+        """Form the first group (and load the checkpoint of a resume). The warm pool starts after the first step: on
+        a node it shares, a starting worker would slow that step (see Team.watch)."""
+        marks = self.starting
+        marks.append(time.time())
+        join_s = self.cfg.timeouts.join_s
         try:
+            self.team.gather([w.info.remote() for w in self.team.workers], self.team.workers, "worker start", join_s)
+            marks.append(time.time())
             self.team.form(self.team.workers, self.at, "start")
         except WorkersLost as gone:
             raise JobError(f"{gone} while the group first formed; start the job again") from None
+        marks.append(time.time())
         if resume:
             started = time.perf_counter()
             point = self.saver.resume_point(self.cfg.hash())
@@ -114,12 +133,12 @@ class Coordinator:
                     [w.load_state.remote(parts, point.meta["step"]) for w in self.team.workers], "state load"
                 )
             self._rewind(point, "resume", load_s=time.perf_counter() - started)
+        marks.append(time.time())
         self.saved_step = self.evaluated_step = self.at.step
         if self.scorers and self.at.step == 0 and not self.log.recorded("eval", 0):
             self.evaluated_step = -1  # PPO: the base policy's reward first (once), to measure the rise against
         if (self.cfg.comm.zero or self.scorers or self.team.ranks > 1) and self.saver.latest(self.cfg.hash()) is None:
             self.lost = self._checkpoint()  # something to go back to when a worker is lost (see _needs_rollback)
-        self.team.refill()
 
     def _decide(self) -> State:
         self.team.mark_nodes(self.health.watch(self.at.step), set(self.health.kept_off), self.health.replacements)
@@ -152,8 +171,17 @@ class Coordinator:
         if outcome.lost:
             return Lost(outcome.lost, outcome.since)
         self.health.stepped(self.at.step, self.log.latest["train"].get("speeds"))
+        if self.starting is not None:
+            self._started()
         self.team.prepare_pool(self.at)
         return None
+
+    def _started(self) -> None:
+        """The first step committed: the start's phases, and the warm pool starts."""
+        marks, self.starting = [*self.starting, time.time()], None
+        phases = dict(zip(START_PHASES, (b - a for a, b in zip(marks, marks[1:]))))
+        self.log.record(Start(self.at.step, phases, marks[-1] - marks[0]))
+        self.team.refill()
 
     def _evaluate(self) -> Lost | None:
         self.evaluated_step = self.at.step

@@ -99,6 +99,7 @@ class Team:
         self.generation = 0
         self.recoveries = 0
         self._pending: tuple[Membership, float] | None = None  # a change waiting for its first step
+        self.pool_started = False  # the coordinator starts the pool after the run's first step
         self._next_watch = 0.0
         self._mfu_warned = False
 
@@ -131,7 +132,8 @@ class Team:
         self.pool.drop([w for w in self.pool.idle if self.nodes.get(w) in kept_off])
         self.data.start_caches(worker_nodes(self.cfg.cluster) - kept_off, at.cursor)
         self.pool.restart_kept_off()
-        if self._pending is None:  # not while a change waits for its first step: a starting worker would slow it
+        # not before the run's first step, nor while a change waits for its first step: a starting worker slows it
+        if self._pending is None and self.pool_started:
             self.refill()
         if self.autoscaling:
             self._autoscale(at.step)
@@ -163,6 +165,7 @@ class Team:
 
     def refill(self) -> None:
         """The pool back to its size; the autoscaler asked for room."""
+        self.pool_started = True
         self.pool.refill(self.pool_size())
         members = self.cfg.cluster.max_workers if self.autoscaling else max(self.wanted, len(self.workers))
         self.pool.reserve(members + self.replacements)

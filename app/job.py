@@ -181,13 +181,14 @@ def _run(cfg: Config, run_dir: Path, resume: bool, started_at: float, progress: 
         worker_module = pool.submit(importlib.import_module, "actors.worker")
         manifest = resolve_data(cfg)
         connect(cfg)
+        connected_at = time.time()
         check_memory(cfg)
         workers = worker_module.result().spawn(cfg, manifest, cfg.cluster.num_workers)
     _wait_for_name(f"etrain:{run_dir.name}", cfg.timeouts.close_s)
     coordinator = ray.remote(Coordinator).options(
         name=f"etrain:{run_dir.name}", num_cpus=0, max_concurrency=4, scheduling_strategy=_beside_driver()
     )
-    coordinator = coordinator.remote(cfg.model_dump(), str(run_dir), manifest, started_at, workers, lease)
+    coordinator = coordinator.remote(cfg.model_dump(), str(run_dir), manifest, started_at, workers, lease, connected_at)
     try:
         done = coordinator.run.remote(resume)
         _follow(coordinator, done, cfg, progress, on_eval)

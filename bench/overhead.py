@@ -5,7 +5,8 @@ Each run is `etrain train --config tiny` in a fresh process with its own local R
 steady state (steps 50 to 500), the median of each part of the step split (records: `{part}_s`), the control
 path's share of the step (dispatch + other over the step's wall time), and the wall time per step from one commit
 to the next over those steps (what a user waits; it counts the coordinator's time between steps, which a step sent
-after its predecessor's reports does not have in its own split).
+after its predecessor's reports does not have in its own split); and the start's phases (the start record), from the
+CLI's start to the first step.
 
     python bench/overhead.py [--rounds 3] [--steps 500]
 """
@@ -53,6 +54,8 @@ def figures(records: list[dict]) -> dict:
     out["control_share"] = (out["dispatch_ms"] + out["other_ms"]) / out["step_ms"]
     out["wall_per_step_ms"] = 1000 * (steps[-1]["time"] - steps[0]["time"]) / (len(steps) - 1)
     out["sent_ahead"] = sum(bool(r.get("sent_ahead")) for r in steps) / len(steps)
+    [start] = [r for r in records if r["kind"] == "start"]
+    out |= {f"start_{phase}_s": s for phase, s in start["phases"].items()} | {"start_total_s": start["total_s"]}
     return out
 
 

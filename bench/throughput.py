@@ -292,10 +292,10 @@ def report(rows: list[dict], args) -> None:
         "ours_1w_vs_plain_tokens_per_s": get["ours", 1]["tokens_per_s"] / get["plain", 1]["tokens_per_s"],
         "ours_vs_raytrain_first_step_2w": get["ours", 2]["first_step_s"] / get["raytrain", 2]["first_step_s"],
     }
-    targets = {
-        "ours_vs_raytrain_tokens_per_s_2w": (">=", 1.0),
-        "ours_1w_vs_plain_tokens_per_s": (">=", 0.9),
-        "ours_vs_raytrain_first_step_2w": ("<=", 0.5),
+    targets = {  # issue 32's
+        "ours_vs_raytrain_tokens_per_s_2w": (">=", 1.05),
+        "ours_1w_vs_plain_tokens_per_s": (">=", 0.95),
+        "ours_vs_raytrain_first_step_2w": ("<=", 0.4),
     }
     print(f"\n{'ratio':40s} {'value':>7s}  target")
     for name, value in ratios.items():

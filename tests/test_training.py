@@ -13,7 +13,7 @@ import torch
 from actors.worker import spawn
 from app.core import checkpoint
 from app.core.model import GPT
-from app.core.records import read_jsonl
+from app.core.records import START_PHASES, read_jsonl
 from app.job import new_run_dir, train
 from pipelines import order
 from pipelines.cache import ShardCache
@@ -142,3 +142,11 @@ def test_cli_trains_then_resumes_for_longer(make_cfg, tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path / "cli"), "--set", "train.steps=6", "--no-progress"]) == 0
     assert sorted(losses(tmp_path / "cli")) == list(range(1, 7))
     assert "steps: 6" in (tmp_path / "cli" / "config.yaml").read_text()
+    # each start, from the CLI to its first step, by phase: the first run's, then the resume's (with its load)
+    starts = [r for r in read_jsonl(tmp_path / "cli" / "metrics.jsonl") if r["kind"] == "start"]
+    assert [r["step"] for r in starts] == [1, 5]
+    for start in starts:
+        assert list(start["phases"]) == list(START_PHASES) and min(start["phases"].values()) >= 0
+        assert sum(start["phases"].values()) == pytest.approx(start["total_s"])
+        assert start["phases"]["workers"] > 0 and start["phases"]["first_step"] > 0
+    assert starts[1]["phases"]["load"] > 0

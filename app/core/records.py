@@ -20,6 +20,8 @@ from app.core.config import Config
 # report's plot), and the phases of a membership change (membership records: `phases`; the dashboard's scale latency).
 STEP_PARTS = ("compute", "communication", "data_wait", "update", "dispatch", "other", "checkpoint_stall")
 CHANGE_PHASES = ("detect", "acquire", "migrate", "reform", "first_step")
+# ... and of a run's start, from `etrain train` (or its API call) to its first committed step (start records)
+START_PHASES = ("connect", "coordinator", "workers", "form", "load", "first_step")
 
 
 @dataclass
@@ -98,6 +100,16 @@ class Membership(Record):
     draining_nodes: list
     phases: dict[str, float] = field(default_factory=dict)
     total_s: float = 0.0
+
+
+@dataclass
+class Start(Record):
+    """A run's start (or a resume's), from the driver's start to its first committed step: `phases` (START_PHASES) in
+    seconds, `total_s` their sum. Written with that step."""
+
+    kind: ClassVar[str] = "start"
+    phases: dict[str, float]
+    total_s: float
 
 
 @dataclass
