@@ -77,7 +77,7 @@ class Coordinator:
         self.stepper = _ppo_stepper(parts, self.scorers) if self.scorers else Stepper(*parts)
         self.outer = OuterSteps(cfg)
         self.lost: Lost | None = None  # members lost: the next decision is a recovery
-        self.saved_step = self.evaluated_step = 0
+        self.saved_step = self.evaluated_step = self.started_step = 0
         # when the start's phases ended (START_PHASES): the driver's start, Ray's, ... the first step's (a Start record)
         self.starting: list[float] | None = [started_at, connected_at or started_at]
 
@@ -134,6 +134,7 @@ class Coordinator:
                 )
             self._rewind(point, "resume", load_s=time.perf_counter() - started)
         marks.append(time.time())
+        self.started_step = self.at.step  # what the start record is filed under: a rewind never moves it aside
         self.saved_step = self.evaluated_step = self.at.step
         if self.scorers and self.at.step == 0 and not self.log.recorded("eval", 0):
             self.evaluated_step = -1  # PPO: the base policy's reward first (once), to measure the rise against
@@ -180,7 +181,7 @@ class Coordinator:
         """The first step committed: the start's phases, and the warm pool starts."""
         marks, self.starting = [*self.starting, time.time()], None
         phases = dict(zip(START_PHASES, (b - a for a, b in zip(marks, marks[1:]))))
-        self.log.record(Start(self.at.step, phases, marks[-1] - marks[0]))
+        self.log.record(Start(self.started_step, phases, marks[-1] - marks[0]))
         self.team.refill()
 
     def _evaluate(self) -> Lost | None:

@@ -55,10 +55,14 @@ class FaultPlan:
         return {f.rank: f.model_dump() for f in due.values()}
 
     def pending(self, step: int) -> bool:
-        """Whether a fault may meet `step` (not yet fired; its own step, or one that waits for a ready pool worker):
-        such a step is not sent ahead, so a fault is never spent on a step that a failure before it discards."""
+        """Whether a fault may meet `step` (not yet fired; its own step, or one that waits for a ready pool worker; a
+        degrading rank's death): such a step is not sent ahead, so a fault is never spent on a step that a failure
+        before it discards, and a drain before a death is not one step late."""
         return any(
-            i not in self.fired and f.kind != "link" and (f.step == step or f.ready_pool and f.step < step)
+            i not in self.fired
+            and f.kind != "link"
+            and (f.step == step or f.ready_pool and f.step < step)
+            or f.until == step  # a degrading rank dies then: its node may be drained first, at the boundary before
             for i, f in enumerate(self.faults)
         )
 

@@ -29,8 +29,19 @@ class WorkersLost(Exception):
         self.since = time.perf_counter()
 
 
-def gather(refs: list, among: list, what: str, timeout: float, ping_s: float, retire: Callable[[list], None]) -> list:
-    """The results of `refs`, in order. `among` are the workers answerable for them (pinged on a failure)."""
+def gather(
+    refs: list,
+    among: list,
+    what: str,
+    timeout: float,
+    ping_s: float,
+    retire: Callable[[list], None],
+    queued: list = (),
+    queued_s: float = 0.0,
+) -> list:
+    """The results of `refs`, in order. `among` are the workers answerable for them (pinged on a failure). `queued`:
+    calls made to them after these (a step sent ahead, actors/step.py), which a worker ends before it can answer a
+    ping: on a failure they are waited for, up to `queued_s`, so that a survivor busy in one is not taken for hung."""
     results, pending, failed = {}, list(refs), None
     deadline = time.perf_counter() + timeout
     while pending and failed is None and time.perf_counter() < deadline:
@@ -51,6 +62,8 @@ def gather(refs: list, among: list, what: str, timeout: float, ping_s: float, re
     if isinstance(cause, Failure):  # named by the work itself (a reward that fails): its peers may be waiting in a
         # collective for it and miss the ping; none of them is lost, and no replacement would do better
         raise JobError(str(cause), details) from None
+    if queued:
+        ray.wait(list(queued), num_returns=len(queued), timeout=queued_s)
     lost = find_lost(among, what, cause, ping_s, retire, details or None)
     raise WorkersLost(what, lost, [r in results for r in refs])
 

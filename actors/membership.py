@@ -105,10 +105,11 @@ class Team:
 
     # -- waiting for workers ---------------------------------------------------
 
-    def gather(self, refs: list, among: list, what: str, timeout: float | None = None) -> list:
-        """actors/gather.py's wait, with this run's ping timeout and the stop that releases cache pins."""
+    def gather(self, refs: list, among: list, what: str, timeout: float | None = None, queued: list = ()) -> list:
+        """actors/gather.py's wait, with this run's ping timeout and the stop that releases cache pins; `queued`:
+        calls made after these, waited for (up to timeouts.collective_s) before a failure's pings."""
         t = self.cfg.timeouts
-        return gather(refs, among, what, timeout or t.step_s, t.ping_s, self.retire)
+        return gather(refs, among, what, timeout or t.step_s, t.ping_s, self.retire, queued, t.collective_s)
 
     def retire(self, workers: list) -> None:
         """Stop workers for good, and release the shard-cache pins they held (a killed reader cannot)."""

@@ -60,6 +60,7 @@ class Sent:
     refs: list
     started: float
     ahead: bool = False
+    balance: Balance | None = None  # the split switched mode with this step (recorded as it commits)
 
 
 class Stepper:
@@ -82,12 +83,14 @@ class Stepper:
         self.ahead = None
         if self.may_send_ahead(n, workers):  # the workers go on while this loop commits step n and decides
             self.ahead = self.send(n + 1, at.cursor + sent.batch, workers, ahead=True)
-        was_balanced = self.balancer.balanced
         try:
-            reports: list[StepReport] = self.team.gather(sent.refs, workers, f"step {n}", self.cfg.timeouts.step_s)
+            queued = self.ahead.refs if self.ahead is not None else ()
+            reports: list[StepReport] = self.team.gather(
+                sent.refs, workers, f"step {n}", self.cfg.timeouts.step_s, queued
+            )
         except WorkersLost as gone:
             self.drop_ahead()
-            survivors = [done for w, done in zip(workers, gone.finished) if w not in gone.lost]
+            survivors = [done for w, done in zip(sent.workers, gone.finished) if w not in gone.lost]
             if survivors and all(survivors):  # their all-reduce had every share in it
                 self.commit(at, sent.batch, None, 0.0)
             return Outcome(lost=gone.lost, since=sent.started)
@@ -103,17 +106,18 @@ class Stepper:
             self.log.record(Outlier(n, lead.grad_norm, sent.limit, sent.batch, self.guards.reject(n)))
         else:
             self.guards.accept(n, lead.grad_norm)
-        for worker, report in zip(workers, reports):
+        for worker, report in zip(sent.workers, reports):
             self.balancer.observe(worker, report.share, report.compute_s)
-        if self.balancer.balanced != was_balanced:
-            self.log.record(Balance(n, self.balancer.balanced, [len(s) for s in sent.shares]))
+        if sent.balance is not None:
+            self.log.record(sent.balance)
         self.commit(at, sent.batch, reports, returned - sent.started, ahead=sent.ahead)
         return Outcome()
 
     def send(self, n: int, cursor: int, workers: list, ahead: bool = False) -> Sent:
         """Give step `n` (the batch at `cursor`) to `workers`."""
-        batch = self.cfg.batch_at(len(workers))
+        batch, was_balanced = self.cfg.batch_at(len(workers)), self.balancer.balanced
         shares = self.shares(cursor, batch, workers)
+        switched = self.balancer.balanced != was_balanced
         # DiLoCo: each worker's gradient is its own, no rank sees the group's norm to judge the batch by
         limit = math.inf if self.cfg.comm.mode == "diloco" else self.guards.limit(n)
         faults = self.faults.due(n, self.team.pool.ready() > 0)
@@ -122,7 +126,8 @@ class Stepper:
             w.train_step.remote(n, ids, batch, cursor, faults.get(rank), self.guards.lr_scale, limit, link)
             for rank, (w, ids) in enumerate(zip(workers, shares))
         ]
-        return Sent(n, workers, shares, batch, limit, refs, time.perf_counter(), ahead)
+        balance = Balance(n, self.balancer.balanced, [len(s) for s in shares]) if switched else None
+        return Sent(n, workers, shares, batch, limit, refs, time.perf_counter(), ahead, balance)
 
     def may_send_ahead(self, n: int, workers: list) -> bool:
         """Whether step n + 1 can go to the workers before step n's reports are back: when nothing but another step

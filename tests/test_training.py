@@ -144,7 +144,7 @@ def test_cli_trains_then_resumes_for_longer(make_cfg, tmp_path, capsys):
     assert "steps: 6" in (tmp_path / "cli" / "config.yaml").read_text()
     # each start, from the CLI to its first step, by phase: the first run's, then the resume's (with its load)
     starts = [r for r in read_jsonl(tmp_path / "cli" / "metrics.jsonl") if r["kind"] == "start"]
-    assert [r["step"] for r in starts] == [1, 5]
+    assert [r["step"] for r in starts] == [0, 4]  # filed under the step each started from
     for start in starts:
         assert list(start["phases"]) == list(START_PHASES) and min(start["phases"].values()) >= 0
         assert sum(start["phases"].values()) == pytest.approx(start["total_s"])

@@ -325,8 +325,11 @@ class TrainWorker:
         if not background:  # written when this returns; checkpoint_wait hands over the files or the error
             wait([self._saving])
 
+    @ray.method(concurrency_group="control")
     def checkpoint_wait(self) -> dict | None:
-        """The files written by the last save (name -> bytes, sha256) and the weights' hashes; raises its error."""
+        """The files written by the last save (name -> bytes, sha256) and the weights' hashes; raises its error.
+        Answered beside a running step (the coordinator asks once the writer said it is done, maybe while the next
+        step, sent ahead, runs): a writer lost in that step does not fail a save it has written."""
         if self._saving is None:
             return None
         try:

@@ -105,7 +105,8 @@ class Membership(Record):
 @dataclass
 class Start(Record):
     """A run's start (or a resume's), from the driver's start to its first committed step: `phases` (START_PHASES) in
-    seconds, `total_s` their sum. Written with that step."""
+    seconds, `total_s` their sum. Written with that step, under the step the run started from (0, or the resume's):
+    a rollback to an earlier checkpoint does not move it aside."""
 
     kind: ClassVar[str] = "start"
     phases: dict[str, float]
