@@ -29,7 +29,7 @@ from actors.step import Position
 from app.core.config import Config
 from app.core.errors import why
 from app.core.flops import flops_per_token, mfu
-from app.core.records import Autoscale, Membership, Warn
+from app.core.records import JOIN_PHASES, Autoscale, Membership, Warn
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class Team:
         self.nodes: dict = {}  # worker -> node id, for members and prepared pool workers
         self.pids: dict = {}  # worker -> process id, for members (status shows where each rank runs)
         self.peaks: dict = {}  # worker -> peak FLOP/s of its device, None on CPU (MFU's denominator)
+        self.marks: dict = {}  # worker -> the wall-clock times of its start (a joiner's `joined` phases)
         self.flops_per_token = 0.0
         self.preempted: set[str] = set()  # nodes with a preemption notice (Ray's draining nodes)
         self.at_risk: frozenset[str] = frozenset()  # nodes at risk whose members leave now (actors/health_watch.py)
@@ -290,6 +291,10 @@ class Team:
             self.workers = members + joiners  # the lost in place: the recovery tells whole replicas by position
             logger.warning("%d worker(s) lost during a %s at step %d; recovering", len(gone.lost), reason, at.step)
             return Lost(gone.lost, time.perf_counter())
+        if joiners:
+            last = max((self.marks[w] for w in joiners), key=lambda m: m.get("attached", 0))
+            event.joined = arrival(last, time.time() - (time.perf_counter() - started))
+            event.joined_at = last["process"]
         self._pending = (event, started)  # the pool refills after its first step
         return None
 
@@ -375,6 +380,7 @@ class Team:
         self.nodes |= {w: i["node"] for w, i in zip(members, infos)}
         self.pids |= {w: i["pid"] for w, i in zip(members, infos)}
         self.peaks |= {w: i["peak_flops"] for w, i in zip(members, infos)}
+        self.marks |= {w: i["marks"] for w, i in zip(members, infos)}
         self.flops_per_token = flops_per_token(self.cfg.model, infos[0]["params"], infos[0]["trainable"])
 
     def start_ps(self, at: Position) -> None:
@@ -416,6 +422,16 @@ class Team:
         self.workers = []
         self.pool.close()
         self.pool.reserve(0)
+
+
+def arrival(marks: dict, changed: float) -> dict[str, float]:
+    """A joiner's start (its wall-clock `marks`, actors/worker/actor.py) up to the change that took it (`changed`), as
+    JOIN_PHASES. A mark it never passed (a warm-up it never had) is a phase of 0."""
+    points = [marks["process"]]
+    for mark in ("loading", "init", "built", "warmed", "attached"):
+        points.append(marks.get(mark, points[-1]))
+    points.append(max(changed, points[-1]))
+    return {phase: round(b - a, 4) for phase, (a, b) in zip(JOIN_PHASES, zip(points, points[1:]))}
 
 
 def worker_nodes(c) -> set[str]:

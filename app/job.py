@@ -304,7 +304,9 @@ def _show(e: dict, progress: Progress) -> None:
         progress.event(f"step {e['step']}: warning: the checkpoint was not written ({e['error']}); training goes on")
     elif kind == "membership":
         phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in e["phases"].items())
+        joined = e.get("joined")
+        start = ", ".join(f"{k} {v:.2f} s" for k, v in joined.items()) if joined else ""
         progress.event(
             f"step {e['step']}: {e['reason']} {e['world_before']} -> {e['world_after']} workers in {e['total_s']:.2f} "
-            f"s ({phases})"
+            f"s ({phases})" + (f"; the last joiner's start before it: {start}" if joined else "")
         )

@@ -218,9 +218,10 @@ def run_ours_shard(args) -> dict:
 # -- a node added: Ray Train v2 elastic (num_workers=(1, 2)) vs our autoscaling -----
 
 
-def grow(args, start, world_of) -> dict:
+def grow(args, start, world_of, phases_of=None) -> dict:
     """A 1-CPU head runs the job's first worker; once it trains, a 2-CPU node joins the cluster.
-    Returns the seconds from the node's arrival to the first step trained by 2 workers."""
+    Returns the seconds from the node's arrival to the first step trained by 2 workers, and with `phases_of`, those
+    seconds in phases."""
     import threading
 
     from ray.cluster_utils import Cluster
@@ -232,10 +233,15 @@ def grow(args, start, world_of) -> dict:
     cluster.add_node(num_cpus=2)
     added = time.time()
     grown = wait(lambda: world_of(2), args.grow_timeout, "a step at 2 workers")
-    print(json.dumps({"scale_out_s": grown - added}), flush=True)
+    phases = wait(lambda: phases_of(added), 30, "the scale-out's record") if phases_of else None
+    print(json.dumps({"scale_out_s": grown - added} | {f"{k}_s": v for k, v in (phases or {}).items()}), flush=True)
     try:
-        cluster.shutdown()  # its processes and its address file; the unfinished run dies with them
+        cluster.shutdown()  # its processes; the unfinished run dies with them
     finally:
+        # the head's address file: left behind, the next ray.init() on this machine would try to join a dead cluster
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        if current.exists() and current.read_text().strip() == cluster.address:
+            current.unlink()
         os._exit(0)
 
 
@@ -313,7 +319,15 @@ def run_ours_grow(args) -> dict:
         rows = read_jsonl(path) if path.exists() else []
         return next((r["time"] for r in rows if r["kind"] == "train" and r["world_size"] == n), None)
 
-    return grow(args, start, world_of)
+    def phases_of(added: float) -> dict | None:
+        """The scale-out's membership record as phases from the node's arrival (JOIN_PHASES, then CHANGE_PHASES)."""
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        change = next((r for r in rows if r["kind"] == "membership" and r["reason"] == "scale-out"), None)
+        if change is None or "first_step" not in change["phases"]:
+            return None
+        return {"node": change["joined_at"] - added} | change["joined"] | change["phases"]
+
+    return grow(args, start, world_of, phases_of)
 
 
 VARIANTS = {

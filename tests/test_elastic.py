@@ -17,6 +17,7 @@ from actors.worker import spawn
 from app import api
 from app.cli import main
 from app.core.optim import lr_factor
+from app.core.records import JOIN_PHASES
 from app.job import new_run_dir, train
 from pipelines.embedded import ensure_corpus
 
@@ -99,6 +100,12 @@ def test_autoscaling_grows_onto_free_room_with_linear_scaling(make_cfg):
         ("scale-out", 2, 3, 1)
     ]
     assert records(run_dir, "autoscale")[0]["wanted"] == 3
+    # The joiner's own start, chained up to the change: its process's creation + its phases + the change's phases
+    # end at the change's first step, when the record is written.
+    [change] = changes
+    assert list(change["joined"]) == list(JOIN_PHASES) and min(change["joined"].values()) >= 0
+    ended = change["joined_at"] + sum(change["joined"].values()) + change["total_s"]
+    assert abs(ended - change["time"]) < 1.0
     assert steps[-1]["world_size"] == 3  # the policy never shrinks a job
     # Linear scaling: 8 samples per worker per step, and the learning rate grows by the same factor.
     assert all(r["batch"] == 8 * r["world_size"] for r in steps)

@@ -9,16 +9,20 @@ such workers warm in a pool (actors/pool.py) and re-forms groups of live ones.
 
 from __future__ import annotations
 
+import time
+
+LOADING = time.time()  # when this process began loading the worker's code: its Ray start ends, its imports begin
+
 import gc
 import math
 import os
 import re
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 
 import numpy as np
+import psutil
 import ray
 import torch
 import torch.distributed as dist
@@ -70,6 +74,8 @@ def make_engine(cfg: Config, device: torch.device) -> Engine:
 
 class TrainWorker:
     def __init__(self, cfg_dict: dict, manifest: str):
+        # wall-clock times of this worker's start (JOIN_PHASES): what a joiner's arrival cost, in its membership record
+        self.marks = {"process": psutil.Process().create_time(), "loading": LOADING, "init": time.time()}
         self.cfg = cfg = Config.model_validate(cfg_dict)
         torch.set_num_threads(cfg.cluster.cpus_per_worker)
         self.device = torch.device("cuda" if cfg.cluster.gpus_per_worker > 0 else "cpu")
@@ -87,6 +93,7 @@ class TrainWorker:
         self._saving: Future | None = None
         self.peak_flops = peak_flops(self.device, cfg.train.precision)  # what MFU is measured against (None on CPU)
         self.task = rewards.load(cfg.ppo.reward) if cfg.ppo.reward else None  # a PPO run's prompts and scores
+        self.marks["built"] = time.time()
 
     def info(self) -> dict:
         return {
@@ -96,10 +103,12 @@ class TrainWorker:
             "trainable": self.engine.trainable,
             "applied": self.engine.applied,
             "peak_flops": self.peak_flops,
+            "marks": self.marks,
         }
 
     def warm_up(self) -> None:
         self.engine.warm_up()
+        self.marks["warmed"] = time.time()
 
     def attach_cache(self, cache, layout: Layout, cursor: int | None = None) -> None:
         """Read training shards through this node's cache (one ShardCache actor per node).
@@ -111,6 +120,7 @@ class TrainWorker:
         self.train_data = StreamingReader(self.manifest, layout, cache, holder=ray.get_runtime_context().get_actor_id())
         if cursor is not None:
             self.train_data.get(take(layout, cursor, 1), cursor)
+        self.marks.setdefault("attached", time.time())
 
     # -- the process group -------------------------------------------------------------
 

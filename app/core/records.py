@@ -20,6 +20,8 @@ from app.core.config import Config
 # report's plot), and the phases of a membership change (membership records: `phases`; the dashboard's scale latency).
 STEP_PARTS = ("compute", "communication", "data_wait", "update", "dispatch", "other", "checkpoint_stall")
 CHANGE_PHASES = ("detect", "acquire", "migrate", "reform", "first_step")
+# ... and of a joiner's arrival before it, from its process's creation (membership records: `joined`)
+JOIN_PHASES = ("process", "imports", "build", "warm_up", "attach", "wait")
 # ... and of a run's start, from `etrain train` (or its API call) to its first committed step (start records)
 START_PHASES = ("connect", "coordinator", "workers", "form", "load", "first_step")
 
@@ -88,7 +90,9 @@ class Eval(Record):
 
 @dataclass
 class Membership(Record):
-    """A group change at a step boundary; `phases` (CHANGE_PHASES) in seconds, `total_s` their sum."""
+    """A group change at a step boundary; `phases` (CHANGE_PHASES) in seconds, `total_s` their sum. With joiners,
+    `joined`: the last one's start before the change (JOIN_PHASES, seconds; `joined_at`, its process's creation time).
+    A new node's arrival to the first step at the new size: (`joined_at` - the node's arrival) + `joined` + `phases`."""
 
     kind: ClassVar[str] = "membership"
     reason: str  # start, scale-out, scale-in, recover, preemption, drain (actors/health_watch.py)
@@ -100,6 +104,8 @@ class Membership(Record):
     draining_nodes: list
     phases: dict[str, float] = field(default_factory=dict)
     total_s: float = 0.0
+    joined: dict[str, float] | None = None
+    joined_at: float | None = None
 
 
 @dataclass
