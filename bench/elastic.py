@@ -235,14 +235,13 @@ def grow(args, start, world_of, phases_of=None) -> dict:
     grown = wait(lambda: world_of(2), args.grow_timeout, "a step at 2 workers")
     phases = wait(lambda: phases_of(added), 30, "the scale-out's record") if phases_of else None
     print(json.dumps({"scale_out_s": grown - added} | {f"{k}_s": v for k, v in (phases or {}).items()}), flush=True)
-    try:
-        cluster.shutdown()  # its processes; the unfinished run dies with them
-    finally:
-        # the head's address file: left behind, the next ray.init() on this machine would try to join a dead cluster
-        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
-        if current.exists() and current.read_text().strip() == cluster.address:
-            current.unlink()
-        os._exit(0)
+    # The run is left mid-training: the process group's kill (rounds.in_own_process) ends it and the cluster's
+    # processes. Not cluster.shutdown(): the run's thread, still calling Ray, makes Ray exit this process with 1.
+    # The head's address file goes now: left behind, the next ray.init() here would try to join a dead cluster.
+    current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    if current.exists() and current.read_text().strip() == cluster.address:
+        current.unlink()
+    os._exit(0)
 
 
 def wait(probe, timeout: float, what: str) -> float:

@@ -88,6 +88,7 @@ class TrainWorker:
         self.eval_data = ShardReader(manifest, "eval", cfg.data.cache_shards)  # small, read directly
         self.injected = Injected()
         self._store: dist.TCPStore | None = None
+        self._failed: int | None = None  # the step whose failure closed this rank's group, until it joins another
         self._meeting: threading.Event | None = None  # set while join waits for its peers: `release` ends the wait
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")  # one save at a time, off the step's path
         self._saving: Future | None = None
@@ -151,6 +152,7 @@ class TrainWorker:
             world_size=world,
             timeout=timedelta(seconds=timeouts.collective_s),
         )
+        self._failed = None
         return self.engine.join(rank, world)
 
     def _meet(self, store: dist.Store, world: int) -> None:
@@ -220,6 +222,8 @@ class TrainWorker:
         """This worker's share of one optimizer step (compute.py), with the step's fault, seed and rows. `link`: a
         simulated link's fault (actors/worker/link.py), in force from its step on."""
         started = time.perf_counter()
+        if self._failed is not None:  # sent ahead of the step that failed (actors/step.py): it cannot be committed
+            raise RuntimeError(f"step {step} follows step {self._failed}, whose failure closed this rank's group")
         torch.manual_seed(self._begin(step, fault))
         engine, sync = self.engine, self.engine.sync
         engine.link_to(link)
@@ -227,6 +231,7 @@ class TrainWorker:
         try:
             done = train_on(engine, self._tensor(rows), step, global_batch, lr_scale, max_norm, self.injected)
         except Exception:
+            self._failed = step
             self._abort_group()
             raise
         grad_norm = done.grad_norm
