@@ -11,13 +11,12 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from app.cli import main
 from app.core import hf, sharded_checkpoint
 from app.core.config import ModelConfig, OptimConfig, ParallelConfig, load_config
 from app.core.layout_state import full_state, load_full, whole
-from app.core.local_ranks import local_group
+from app.core.local_ranks import local_group, rank_context
 from app.core.model import GPT, InitialWeights, make_model
 from app.core.optim import make_optimizer
 from app.core.parallel import Replica, make_mesh, stage_layers
@@ -261,7 +260,7 @@ def test_survivors_renumbered_into_a_new_mesh_reach_its_groups_not_a_stale_one(l
     want_loss.backward()
     want_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf).item()
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     meet = [str(tmp_path / f"generation-{g}") for g in range(3)]
     survivors = [r for r in range(4) if r // 2 != lost_replica]
