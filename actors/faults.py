@@ -54,6 +54,10 @@ class FaultPlan:
             self.record(FaultFired(step, f.model_dump()))
         return {f.rank: f.model_dump() for f in due.values()}
 
+    def held(self, step: int) -> bool:
+        """Whether a fault waiting for a ready pool worker (`ready_pool`) is due at `step` and not yet fired."""
+        return any(i not in self.fired and f.ready_pool and f.step <= step for i, f in enumerate(self.faults))
+
     def pending(self, step: int) -> bool:
         """Whether a fault may meet `step` (not yet fired; its own step, or one that waits for a ready pool worker; a
         degrading rank's death): such a step is not sent ahead, so a fault is never spent on a step that a failure

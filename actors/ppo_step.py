@@ -28,7 +28,7 @@ class PPOStepper(Stepper):
         started = time.perf_counter()
         workers, n, count = self.team.workers, at.step + 1, self.cfg.ppo.rollouts
         shares = np.array_split(np.arange(at.cursor, at.cursor + count), len(workers))  # prompt indices
-        faults = self.faults.due(n, self.team.pool.ready() > 0)
+        faults = self.faults_due(n, at.cursor)
         refs = [
             w.ppo_step.remote(n, ids, self.kl.beta, self.guards.lr_scale, self.scorers, faults.get(rank))
             for rank, (w, ids) in enumerate(zip(workers, shares))

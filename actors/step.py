@@ -113,6 +113,14 @@ class Stepper:
         self.commit(at, sent.batch, reports, returned - sent.started, ahead=sent.ahead)
         return Outcome()
 
+    def faults_due(self, n: int, cursor: int) -> dict[int, dict]:
+        """The faults step `n` meets. At the run's last step one still held for a ready pool worker waits for one (up
+        to timeouts.join_s): a drill's recovery is not lost because the pool, started after the first step, was
+        still starting when the run ended."""
+        if n == self.cfg.train.steps and self.faults.held(n) and not self.team.pool.ready():
+            self.team.await_ready(1, Position(n - 1, cursor))
+        return self.faults.due(n, self.team.pool.ready() > 0)
+
     def send(self, n: int, cursor: int, workers: list, ahead: bool = False) -> Sent:
         """Give step `n` (the batch at `cursor`) to `workers`."""
         batch, was_balanced = self.cfg.batch_at(len(workers)), self.balancer.balanced
@@ -120,7 +128,7 @@ class Stepper:
         switched = self.balancer.balanced != was_balanced
         # DiLoCo: each worker's gradient is its own, no rank sees the group's norm to judge the batch by
         limit = math.inf if self.cfg.comm.mode == "diloco" else self.guards.limit(n)
-        faults = self.faults.due(n, self.team.pool.ready() > 0)
+        faults = self.faults_due(n, cursor)
         link = self.faults.link(n)
         refs = [
             w.train_step.remote(n, ids, batch, cursor, faults.get(rank), self.guards.lr_scale, limit, link)

@@ -73,6 +73,7 @@ def run_scaled(make_cfg, name: str, sizes: tuple[int, ...], *overrides: str) -> 
     thread.start()
     train(cfg, run_dir, progress=False)
     thread.join(timeout=5)
+    assert not thread.is_alive(), f"{name}: the run ended before it was resized to each of {sizes}"
     return run_dir
 
 

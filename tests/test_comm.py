@@ -167,7 +167,7 @@ def test_parameter_server_mode_bounds_staleness_and_resumes(make_cfg):
     [summary] = records(run_dir, "ps")
     assert any(s["window_closes"] > 0 for s in summary["shards"])  # fast workers went on without the straggler
     assert any(s["max_staleness_seen"] >= 1 for s in summary["shards"])
-    assert steps[-1]["loss"] < 0.8 * steps[0]["loss"]
+    assert mean(r["loss"] for r in steps[15:]) < 0.9 * mean(r["loss"] for r in steps[:5])  # it learns
     assert [r["step"] for r in records(run_dir, "eval")] == [10, 20]
     assert load_latest(str(run_dir / "checkpoints")).meta["step"] == 20
 

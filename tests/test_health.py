@@ -156,9 +156,10 @@ def test_a_fault_that_waits_for_a_ready_pool_worker_fires_at_the_first_step_with
         [Fault(rank=1, step=3, kind="kill", ready_pool=True), Fault(rank=0, step=3, kind="hang")], [].append
     )
     assert plan.due(3, pool_ready=False) == {0: Fault(rank=0, step=3, kind="hang").model_dump()}
+    assert not plan.held(2) and plan.held(3) and plan.held(4)  # held from its step: the run's last step waits
     assert plan.due(4, pool_ready=False) == {}
     assert list(plan.due(5, pool_ready=True)) == [1]
-    assert plan.due(6, pool_ready=True) == {}
+    assert plan.due(6, pool_ready=True) == {} and not plan.held(6)  # fired: nothing left to wait for
 
 
 def test_a_fault_is_recorded_when_it_fires_and_a_resumed_run_does_not_fire_it_again():

@@ -4,6 +4,7 @@ test_crash_recovery.py, 9 in test_config.py, 10 and 11 in test_cache.py, 12 in t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -155,10 +156,9 @@ def test_a_frozen_coordinator_fails_the_driver_after_the_join_timeout(make_cfg):
     frozen = []
 
     def freeze():
-        wait_until("a step", lambda: world(run_dir) is not None)
-        coordinator = next(
-            p for p in psutil.process_iter(["cmdline"]) if "ray::Coordinator" in " ".join(p.info["cmdline"] or [])
-        )
+        wait_until("a step", lambda: world(run_dir) is not None and (run_dir / "status.json").exists())
+        # This run's coordinator, by the pid it writes: not another run's that is still exiting.
+        coordinator = psutil.Process(json.loads((run_dir / "status.json").read_text())["coordinator_pid"])
         coordinator.send_signal(signal.SIGSTOP)
         frozen.append(coordinator)
 

@@ -549,7 +549,8 @@ class Fault(Section):
     ready_pool: bool = Field(
         False,
         description="hold the fault from `step` until a warm-pool worker is ready: a drill of a recovery whose "
-        "replacement is there (on a busy machine a pool worker may still be starting at `step`)",
+        "replacement is there (on a busy machine a pool worker may still be starting at `step`); the run's last "
+        "step waits for one",
     )
     during: Literal["step", "eval"] = Field(
         "step",
