@@ -81,7 +81,10 @@ class Coordinator:
         # when the start's phases ended (START_PHASES): the driver's start, Ray's, ... the first step's (a Start record)
         self.starting: list[float] | None = [started_at, connected_at or started_at]
 
-    def run(self, resume: bool) -> dict:
+    def run(self, resume: bool, restart_if_corrupt: bool = False) -> dict:
+        """Train the run to its end (`resume`: from its newest checkpoint that verifies; `restart_if_corrupt`: from the
+        start when every committed one fails verification, instead of stopping)."""
+        self.restart_if_corrupt = restart_if_corrupt
         try:
             self.status_file.start()
             self.data.open()
@@ -126,7 +129,7 @@ class Coordinator:
         marks.append(time.time())
         if resume:
             started = time.perf_counter()
-            point = self.saver.resume_point(self.cfg.hash())
+            point = self.saver.resume_point(self.cfg.hash(), self.restart_if_corrupt)
             if point.ckpt is not None:
                 parts = ray.put(point.ckpt.parts)
                 self._gather_all(
@@ -138,7 +141,7 @@ class Coordinator:
         self.saved_step = self.evaluated_step = self.at.step
         if self.scorers and self.at.step == 0 and not self.log.recorded("eval", 0):
             self.evaluated_step = -1  # PPO: the base policy's reward first (once), to measure the rise against
-        if (self.cfg.comm.zero or self.scorers or self.team.ranks > 1) and self.saver.latest(self.cfg.hash()) is None:
+        if (self.cfg.comm.zero or self.scorers or self.team.ranks > 1) and self.saver.last is None:
             self.lost = self._checkpoint()  # something to go back to when a worker is lost (see _needs_rollback)
 
     def _decide(self) -> State:
@@ -283,6 +286,7 @@ class Coordinator:
                 reached_step=reached,
                 records_redone=self.log.rewind(self.at.step),
                 load_s=load_s,
+                skipped=point.skipped or None,
             )
         )
 
@@ -329,7 +333,7 @@ class Coordinator:
             self.team.start_ps(self.at)
         except WorkersLost as gone:
             raise JobError(f"{gone}; {self.hint}") from None
-        point = self.saver.resume_point(self.cfg.hash()) if resume else None
+        point = self.saver.resume_point(self.cfg.hash(), self.restart_if_corrupt) if resume else None
         if point is not None:
             self._rewind(point, "resume")
         self.phase = State.RUNNING

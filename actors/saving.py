@@ -14,7 +14,7 @@ import logging
 import posixpath
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from actors.control import JobError, due
 from actors.gather import WorkersLost
@@ -42,6 +42,7 @@ class RewindPoint:
 
     ckpt: checkpoint.Checkpoint | None
     reason: str
+    skipped: list[dict] = field(default_factory=list)  # newer committed checkpoints that failed verification
 
     @property
     def meta(self) -> dict:
@@ -181,9 +182,10 @@ class Saver:
         self.cursor_log.update({"step": step, "cursor": cursor, "batch": batch, "time": time.time()})
 
     def latest(self, config_hash: str) -> checkpoint.Checkpoint | None:
-        """The newest good checkpoint (after committing the one in flight: it holds a good step)."""
+        """The newest good checkpoint (after committing the one in flight: it holds a good step); newer ones that
+        fail verification are named in its `skipped`, and CheckpointsCorrupt when none verifies."""
         self.finish()
-        ckpt = checkpoint.load_latest(self.uri)
+        ckpt = checkpoint.load_latest(self.uri, accept=self._reachable)
         if ckpt is not None and "exported_from" in ckpt.meta:
             raise JobError(
                 f"{ckpt.path} is an export of {ckpt.meta['exported_from']} (weights only), not a run's checkpoint: "
@@ -196,24 +198,44 @@ class Saver:
             )
         return ckpt
 
-    def resume_point(self, config_hash: str) -> RewindPoint:
-        ckpt = self.latest(config_hash)
-        why = (
-            "the latest committed checkpoint"
-            if ckpt is not None
-            else f"no committed checkpoint under {self.uri}: from the start"
-        )
-        return RewindPoint(ckpt, why)
+    def _reachable(self, meta: dict) -> str | None:
+        """Whether a commit's data cursor is one its steps could have reached (what is wrong, if it is not)."""
+        most = meta["step"] * self.cfg.most_per_step()
+        if meta.get("cursor", 0) > most:
+            return f"cursor is {meta['cursor']}, more than {meta['step']} steps of this run take (at most {most})"
+        return None
+
+    def resume_point(self, config_hash: str, restart_if_corrupt: bool = False) -> RewindPoint:
+        """Where a resume lands: the newest checkpoint that verifies, or the start when none is committed. When some
+        are and none verifies, CheckpointsCorrupt (exit 2), unless `restart_if_corrupt`: then the start."""
+        try:
+            ckpt = self.latest(config_hash)
+        except checkpoint.CheckpointsCorrupt as e:
+            if not restart_if_corrupt:
+                raise checkpoint.CheckpointsCorrupt(
+                    f"{e}; nothing was trained. Restore the files from a copy and resume again, or train the run "
+                    "from step 0 with `etrain train --resume RUN --restart-if-corrupt` (the corrupt checkpoints stay "
+                    "until newer saves replace them)",
+                    e.skipped,
+                ) from None
+            return RewindPoint(None, "no checkpoint verifies: from the start (--restart-if-corrupt)", e.skipped)
+        if ckpt is None:
+            return RewindPoint(None, f"no committed checkpoint under {self.uri}: from the start")
+        return RewindPoint(ckpt, _newest(ckpt), ckpt.skipped)
 
     def rollback_point(self, config_hash: str, why: str, resume_hint: str) -> RewindPoint:
-        """The last committed checkpoint, which `why` (a lost ZeRO-1 shard, a non-finite gradient) needs."""
-        ckpt = self.latest(config_hash)
+        """The last committed checkpoint that verifies, which `why` (a lost ZeRO-1 shard, a non-finite gradient)
+        needs."""
+        try:
+            ckpt = self.latest(config_hash)
+        except checkpoint.CheckpointsCorrupt as e:
+            raise JobError(f"{why} needs a checkpoint to go back to, and {e}; {resume_hint}") from None
         if ckpt is None:
             raise JobError(
                 f"{why} needs a checkpoint to go back to, and there is none under {self.uri} yet; set checkpoint.every "
                 f"lower, then {resume_hint}"
             )
-        return RewindPoint(ckpt, "the latest committed checkpoint")
+        return RewindPoint(ckpt, _newest(ckpt), ckpt.skipped)
 
     def reached(self) -> int | None:
         """The last step the run committed, from the cursor level."""
@@ -221,3 +243,12 @@ class Saver:
 
     def close(self) -> None:
         self.cursor_log.close(self.cfg.timeouts.close_s)
+
+
+def _newest(ckpt: checkpoint.Checkpoint) -> str:
+    """The reason a rewind gives for landing on `ckpt`: the newest committed checkpoint, or the newest that verifies
+    and which it skipped."""
+    if not ckpt.skipped:
+        return "the newest committed checkpoint"
+    named = ", ".join(posixpath.basename(s["path"].rstrip("/")) for s in ckpt.skipped)
+    return f"the newest checkpoint that verifies ({named} skipped: corrupt)"

@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     ours = not _ray_up()  # a Ray this command connects to is shut down by it (the caller's, as in tests, is not)
     try:
         return args.func(args, started_at)
-    except UsageError as e:
-        print(f"etrain: error: {e}", file=sys.stderr)
+    except UsageError as e:  # raised in an actor (a resume's corrupt checkpoints): its own message, not Ray's
+        print(f"etrain: error: {getattr(e, 'cause', None) or e}", file=sys.stderr)
         return 2
     except Failure as e:  # raised in an actor: its own message, not Ray's traceback
         what = "training failed" if args.func in (cmd_train, cmd_finetune, cmd_ppo) else "error"
@@ -77,6 +77,8 @@ def cmd_train(args, started_at: float) -> int:
 
     if args.resume and args.config:
         raise ConfigError("--resume takes the run's own config.yaml; drop --config (use --set for resumable keys)")
+    if args.restart_if_corrupt and not args.resume:
+        raise ConfigError("--restart-if-corrupt is a choice of --resume RUN_DIR: add it, or drop the flag")
     if args.resume:
         if args.init_from:
             raise ConfigError("--resume continues a run from its own checkpoint; drop --init-from")
@@ -144,6 +146,7 @@ def _train(args, cfg, run_dir: Path | None, started_at: float) -> int:
                 progress=not args.no_progress,
                 log_every=args.log_every,
                 checked=True,
+                restart_if_corrupt=getattr(args, "restart_if_corrupt", False),
             )
     except UsageError:
         if new and not (run_dir / "metrics.jsonl").exists() and not (run_dir / "status.json").exists():
@@ -594,6 +597,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     with_config(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest committed checkpoint")
+    p.add_argument(
+        "--restart-if-corrupt",
+        action="store_true",
+        help="with --resume: when every committed checkpoint of the run fails verification, train it from step 0 "
+        "instead of stopping (exit 2)",
+    )
     p.add_argument(
         "--init-from",
         metavar="DIR",

@@ -161,21 +161,24 @@ def train(
     on_eval: Callable[[dict], None] | None = None,
     log_every: float = 30.0,
     checked: bool = False,
+    restart_if_corrupt: bool = False,
 ) -> dict:
     """Run (or resume) a job to its end; `on_eval` sees each evaluation record as it happens (a Tune trial reports
-    them); `checked`: the caller has run `check_inputs` on `cfg` already (the CLI, before making the run directory).
+    them); `checked`: the caller has run `check_inputs` on `cfg` already (the CLI, before making the run directory);
+    `restart_if_corrupt`: a resume whose every checkpoint fails verification trains from step 0 instead of stopping.
     The run's lease is taken first: a run another live driver is training is refused (RunBusy)."""
     started_at = started_at or time.time()
     run_dir = durable(Path(run_dir).resolve(), "the run directory")
     cfg = cfg if checked else check_inputs(cfg)
     lease = acquire(checkpoint_uri(cfg, run_dir), run_dir.name, cfg.timeouts.lease_s)
     try:
-        return _run(cfg, run_dir, resume, started_at, Progress(cfg.train.steps, progress, log_every), on_eval, lease)
+        shown = Progress(cfg.train.steps, progress, log_every)
+        return _run(cfg, run_dir, (resume, restart_if_corrupt), started_at, shown, on_eval, lease)
     finally:
         release(lease)
 
 
-def _run(cfg: Config, run_dir: Path, resume: bool, started_at: float, progress: Progress, on_eval, lease) -> dict:
+def _run(cfg: Config, run_dir: Path, resume: tuple, started_at: float, progress: Progress, on_eval, lease) -> dict:
     # The worker module brings torch (~3 s to import): load it while Ray starts.
     with ThreadPoolExecutor(1) as pool:
         worker_module = pool.submit(importlib.import_module, "actors.worker")
@@ -190,7 +193,7 @@ def _run(cfg: Config, run_dir: Path, resume: bool, started_at: float, progress: 
     )
     coordinator = coordinator.remote(cfg.model_dump(), str(run_dir), manifest, started_at, workers, lease, connected_at)
     try:
-        done = coordinator.run.remote(resume)
+        done = coordinator.run.remote(*resume)
         _follow(coordinator, done, cfg, progress, on_eval)
         return ray.get(done)
     except ray.exceptions.RayActorError as e:
@@ -217,7 +220,7 @@ def connect(cfg: Config, jobs: int = 1) -> None:
 
 
 def _resumed(e: dict) -> str:
-    said = f"resumed at step {e['step']} from {e['path'] or e['reason']}"
+    said = _skipped(e) + f"resumed at step {e['step']} from {e['path'] or e['reason']}"
     if e.get("reached_step", e["step"]) > e["step"]:
         said += f"; the run had reached step {e['reached_step']}: {e['reached_step'] - e['step']} steps are redone"
     if e.get("base"):
@@ -226,6 +229,11 @@ def _resumed(e: dict) -> str:
             f"come from the full checkpoint {e['base']}, so the run leaves the uninterrupted trajectory"
         )
     return said
+
+
+def _skipped(e: dict) -> str:
+    """A warning line for each checkpoint a rewind passed over because it failed verification."""
+    return "".join(f"warning: skipped checkpoint {s['path']}: {s['error']}\n" for s in e.get("skipped") or ())
 
 
 def _wait_for_name(name: str, timeout_s: float) -> None:
@@ -294,6 +302,8 @@ def _show(e: dict, progress: Progress) -> None:
         progress.rewind(e["step"])
         if kind == "resume":
             progress.event(_resumed(e))
+        elif kind == "rollback" and e.get("skipped"):
+            progress.event(_skipped(e).rstrip("\n"))
         elif kind == "outer":
             progress.event(f"step {e['step']}: back to the last outer step ({e['reason']}); the window is redone")
     elif kind == "eval":

@@ -1,13 +1,14 @@
 """The checkpoint store on its own: commit protocol, verification, fallback, levels, retention."""
 
-import io
-import pickle
+import json
 
 import fsspec
+import hostile
 import pytest
 import torch
 
 from app.core import checkpoint
+from app.core.errors import UsageError
 
 
 def parts(value: float) -> dict:
@@ -62,14 +63,19 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path, caplog):
     assert "step-00000010" in caplog.text and "sha256" in caplog.text
 
 
-def test_truncated_commit_marker_is_not_a_checkpoint(tmp_path, caplog):
+def test_truncated_commit_marker_is_skipped_and_named(tmp_path, caplog):
+    """A commit is written whole (one PUT, or a rename): a truncated one is corruption, not a save in flight. The
+    load falls back and names it, in the log and in what it returns."""
     uri = str(tmp_path / "ck")
     checkpoint.save(uri, 5, parts(1.0), {}, keep=3)
     checkpoint.save(uri, 10, parts(2.0), {}, keep=3)
     marker = tmp_path / "ck" / "step-00000010" / checkpoint.COMMIT
     marker.write_bytes(marker.read_bytes()[:40])
-    assert checkpoint.load_latest(uri).meta["step"] == 5
-    assert "unreadable" in caplog.text
+    ck = checkpoint.load_latest(uri)
+    assert ck.meta["step"] == 5
+    assert [s["path"].rsplit("/", 1)[1] for s in ck.skipped] == ["step-00000010"]
+    assert "commit.json does not parse as JSON" in ck.skipped[0]["error"]
+    assert "step-00000010" in caplog.text
 
 
 def test_light_checkpoint_completes_from_its_base(tmp_path):
@@ -113,15 +119,18 @@ def test_retention_keeps_last_k_full_and_the_light_ones_after_them(tmp_path):
     ]
 
 
-def test_weights_only_refuses_arbitrary_pickles():
-    class Evil:
-        def __reduce__(self):
-            return (print, ("pwned",))
-
-    buf = io.BytesIO()
-    torch.save({"x": Evil()}, buf)
-    with pytest.raises(pickle.UnpicklingError):
-        checkpoint.deserialize(buf.getvalue())
+@pytest.mark.parametrize("case", sorted(hostile.crafted("M")))
+@pytest.mark.parametrize("wrapped", [True, False], ids=["torch-file", "bare-pickle"])
+def test_a_crafted_part_runs_nothing_and_is_refused_in_one_line_naming_it(tmp_path, case, wrapped):
+    """Every part but a layout's is read with torch.load(weights_only=True): each crafted pickle, inside a torch file
+    or bare, is refused with one line naming the part, and its command never runs."""
+    marker = tmp_path / "ran"
+    body = hostile.crafted(str(marker))[case]
+    data = hostile.in_torch_file(body) if wrapped else body
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        checkpoint.read_part({"optim.pt": data}, "optim.pt")
+    assert "\n" not in str(refused.value) and str(refused.value).startswith("optim.pt is not a file of tensors")
+    assert not marker.exists()
 
 
 def test_no_checkpoint_gives_none(tmp_path):
@@ -179,3 +188,56 @@ def test_light_weights_are_the_changed_tensors_in_the_compact_dtype():
     light = checkpoint.light_weights(now, hashes, base_hashes, "bfloat16")
     assert set(light) == {"trained"} and light["trained"].dtype == torch.bfloat16
     assert checkpoint.light_weights(now, hashes, {}, "float32").keys() == now.keys()  # no base: everything
+
+
+SHA = "0" * 64
+
+
+@pytest.mark.parametrize(
+    "field, value, said",
+    [
+        ("cursor", -5, "cursor is -5, not a whole number"),
+        ("cursor", True, "cursor is True, not a whole number"),
+        ("cursor", 1.5, "cursor is 1.5, not a whole number"),
+        ("step", "10", "step is '10', not the step of its directory step-00000010"),
+        ("step", 9, "step is 9, not the step of its directory step-00000010"),
+        ("level", "huge", "level is 'huge', not full or light"),
+        ("files", [], "files is not a mapping of its parts"),
+        ("files", {"../../etc/passwd": {"bytes": 1, "sha256": SHA}}, "names a part '../../etc/passwd'"),
+        ("files", {"/etc/passwd": {"bytes": 1, "sha256": SHA}}, "names a part '/etc/passwd'"),
+        ("files", {"model.pt": {"bytes": -1, "sha256": SHA}}, "part model.pt has no size and sha256"),
+        ("files", {"model.pt": {"bytes": 1, "sha256": "beef"}}, "part model.pt has no size and sha256"),
+    ],
+)
+def test_a_tampered_commit_is_skipped_in_one_line_naming_its_field(tmp_path, field, value, said):
+    """Issue 41, defect 7: a commit.json whose fields no save writes (a negative or fractional cursor, a step that
+    is a string or another directory's, a part outside the step directory) raised a raw ValueError or TypeError,
+    or was read from. Now the checkpoint is skipped, the field named."""
+    uri = str(tmp_path / "ck")
+    checkpoint.save(uri, 5, parts(1.0), {"cursor": 80}, keep=3)
+    checkpoint.save(uri, 10, parts(2.0), {"cursor": 160}, keep=3)
+    commit = tmp_path / "ck" / "step-00000010" / checkpoint.COMMIT
+    commit.write_text(json.dumps(json.loads(commit.read_text()) | {field: value}))
+    ck = checkpoint.load_latest(uri)
+    assert ck.meta["step"] == 5
+    (skipped,) = ck.skipped
+    assert skipped["path"].endswith("step-00000010") and skipped["error"].startswith(f"commit.json: {said}")
+    assert "\n" not in skipped["error"]
+
+
+def test_every_checkpoint_corrupt_is_refused_naming_each_with_its_cause(tmp_path):
+    """Issue 41, defect 3: with every committed checkpoint corrupt, the newest one was None (\"no committed
+    checkpoint\") and a resume trained from scratch. Now: CheckpointsCorrupt, a usage error (exit 2), naming each."""
+    uri = str(tmp_path / "ck")
+    checkpoint.save(uri, 5, parts(1.0), {}, keep=3)
+    checkpoint.save(uri, 10, parts(2.0), {}, keep=3)
+    corrupt(tmp_path / "ck" / "step-00000010" / "model.pt")
+    (tmp_path / "ck" / "step-00000005" / "extra.pt").write_bytes(b"")  # truncated to nothing
+    with pytest.raises(checkpoint.CheckpointsCorrupt) as refused:
+        checkpoint.load_latest(uri)
+    assert isinstance(refused.value, UsageError)
+    text = str(refused.value)
+    assert "step-00000010: model.pt does not match its sha256" in text
+    assert "step-00000005: extra.pt does not match its sha256" in text
+    assert [s["path"].rsplit("/", 1)[1] for s in refused.value.skipped] == ["step-00000010", "step-00000005"]
+    assert checkpoint.newest_meta(uri)["step"] == 10  # how far it got: unverified, as `etrain status` reads it

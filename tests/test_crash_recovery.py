@@ -123,3 +123,43 @@ def test_a_topk_run_resumes_bitwise_with_its_residuals(make_cfg):
     assert saved.meta["step"] == 12 and {"residual-000.pt", "residual-001.pt"} <= set(saved.parts)
     train(make_cfg(*topk, "run.name=topk-killed"), run_dir, resume=True, progress=False)
     assert losses(run_dir) == losses(ref_dir)
+
+
+def test_a_resume_names_each_corrupt_checkpoint_and_never_trains_from_scratch_in_silence(make_cfg, capsys, rng):
+    """Issue 41, defect 3, through the CLI: a part of the newest checkpoint truncated (a drawn part, of a data-
+    parallel run or a sharded one's DCP files) is named on the terminal and in the resume record, and the run goes
+    on from the one before. With every checkpoint corrupt, `--resume` stops with exit 2 naming each and trains
+    nothing; `--restart-if-corrupt` trains it from step 0."""
+    from app.cli import main
+
+    layout = rng.choice([[], ["parallel.shard=2"]])
+    cfg = make_cfg(*FAST, "train.steps=8", "checkpoint.every=4", "run.name=corrupt", *layout)
+    run_dir = new_run_dir(cfg)
+    train(cfg, run_dir, progress=False)
+    ckpts = run_dir / "checkpoints"
+    newest = ckpts / "step-00000008"
+    part = rng.choice(sorted(p for p in newest.rglob("*") if p.is_file() and p.name != "commit.json"))
+    print(f"layout {layout or 'data parallel'}: {part.relative_to(newest)} truncated")
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    resume = ["train", "--resume", str(run_dir), "--no-progress"]
+    capsys.readouterr()
+    assert main([*resume, "--set", "train.steps=10"]) == 0
+    err = capsys.readouterr().err
+    named = f"{part.relative_to(newest)} does not match its sha256 (corrupt)"
+    assert f"warning: skipped checkpoint file://{newest}: {named}" in err, err
+    record = records(run_dir, "resume")[-1]
+    assert record["step"] == 4 and record["skipped"] == [{"path": f"file://{newest}", "error": named}]
+    assert "step-00000008 skipped" in record["reason"]
+
+    for commit in ckpts.glob("step-*/commit.json"):  # now every checkpoint fails verification
+        commit.write_text(commit.read_text()[:-2])  # cut short: it no longer parses
+    trained = len(records(run_dir, "train"))
+    assert main([*resume, "--set", "train.steps=12"]) == 2
+    err = capsys.readouterr().err
+    assert "etrain: error: no checkpoint under" in err and "--restart-if-corrupt" in err and "Traceback" not in err
+    assert all(d.name in err for d in ckpts.glob("step-*"))
+    assert len(records(run_dir, "train")) == trained  # nothing trained
+    assert main([*resume, "--set", "train.steps=12", "--restart-if-corrupt"]) == 0
+    restarted = records(run_dir, "resume")[-1]
+    assert restarted["step"] == 0 and restarted["path"] is None and len(restarted["skipped"]) >= 2
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 13))

@@ -86,6 +86,8 @@ def train_rank(
         replica.sync_and_clip(OPTIM.grad_clip)
         first = first or {n: whole(p.grad) for n, p in replica.model.named_parameters()}
         optimizer.step()
+    if save:  # as a run's end does: an evaluation, then the final checkpoint
+        replica.evaluate(every[0][:, :-1], every[0][:, 1:], BATCH)
     if isinstance(save, str):
         state = sharded_checkpoint.state_dict(replica.model, optimizer, replica.tied)
         sharded_checkpoint.save(state, save, dist.group.WORLD).result()
@@ -168,16 +170,18 @@ def test_a_state_saved_by_one_layout_resumes_in_another_on_the_same_trajectory(s
     """Weights and AdamW moments by whole-model name: halfway through, the state moves to the other layout, and
     the second half's losses are the single process's. A layout saves each rank's tensors with DCP, which the other
     layout reads resharded, as the trainer does (a pipeline's tied head written once); one process, the whole
-    state, as a data-parallel run does."""
+    state, as a data-parallel run does. An evaluation comes just before the save, as at a run's end (FSDP's root
+    once kept its gathered parameters after a forward alone, and their moments were left out of the save)."""
     half = STEPS // 2
     sharded = ParallelConfig(**saved_by).ranks > 1
     save = str(tmp_path / "dcp") if sharded else True
     saved = local_group(ParallelConfig(**saved_by).ranks, train_rank, saved_by, range(half), None, save)
     state = save if sharded else saved[0][2]
-    if sharded:
-        assert set(sharded_checkpoint.whole_state(state)["model"]) == set(GPT(MODEL).state_dict())
-    else:
-        assert set(state["model"]) == set(GPT(MODEL).state_dict())
+    names = {n for n, _ in GPT(MODEL).named_parameters()}
+    whole_state = sharded_checkpoint.whole_state(state) if sharded else state
+    assert set(whole_state["model"]) == set(GPT(MODEL).state_dict())
+    optim = whole_state["optim"] if sharded else {n for n, st in whole_state["optim"].items() if st}
+    assert set(optim) == names  # every parameter's moments, an evaluation just before the save or not
     resumed = local_group(ParallelConfig(**resumed_by).ranks, train_rank, resumed_by, range(half, STEPS), state)
     for rank, (losses, _, _) in resumed.items():
         assert losses == pytest.approx(single[0][half:], rel=1e-4), f"rank {rank}"

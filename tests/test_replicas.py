@@ -202,6 +202,23 @@ def test_a_checkpoint_resumes_in_another_layout_on_the_same_trajectory(
         assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata", "extra.pt"} == set(saved["files"])
 
 
+@pytest.mark.parametrize(
+    "saved_by, resumed_by",
+    drawn([(a, b) for a in LAYOUTS for b in ("same", "single")], 2, "final_checkpoint_resumes"),
+)
+def test_a_layouts_final_checkpoint_resumes_for_longer_on_the_same_trajectory(single, make_cfg, saved_by, resumed_by):
+    """Issue 41, defect 2: a run's last step is evaluated, then saved. Resumed with `--set train.steps` raised (in
+    its own layout, or by one whole-model worker), steps 7 to 12 are the single worker's: FSDP's root once kept the
+    parameters its final evaluation gathered, and the save left their optimizer state out (0.6 % off by step 8)."""
+    common = [*BASE, "run.name=longer", "checkpoint.every=0", "train.eval_every=0"]
+    run_dir = run(make_cfg, "longer", *common, *LAYOUTS[saved_by], "train.steps=6")
+    assert records(run_dir, "eval")[-1]["step"] == 6  # the run's end: an evaluation before its final checkpoint
+    resumed = LAYOUTS[saved_by] if resumed_by == "same" else ["cluster.num_workers=1"]
+    train(make_cfg(*common, *resumed, f"train.steps={STEPS}"), run_dir, resume=True, progress=False)
+    assert records(run_dir, "resume")[0]["step"] == 6
+    assert_same_losses(losses(run_dir), single(STEPS)[0])
+
+
 def test_a_base_a_layout_wrote_is_fine_tuned_in_a_layout_each_rank_reading_its_slices(make_cfg, rng):
     """A full fine-tune from a layout's checkpoint (DCP): the driver checks the base one tensor at a time (its digest
     is the whole weights'), each rank of a laid-out run reads the slices it holds, a whole-model worker reads the

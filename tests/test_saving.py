@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from actors.control import JobError
@@ -60,4 +62,31 @@ def test_no_checkpoint_means_the_start_and_a_rollback_needs_one(tmp_path):
     assert (point.meta["step"], point.meta["cursor"]) == (4, 64)
     with pytest.raises(JobError, match="different model/data/optimizer config"):
         s.resume_point(load_config("tiny", ["optim.lr=1e-4"]).hash())
+    s.close()
+
+
+def test_a_resume_names_what_it_skipped_and_stops_when_nothing_verifies(tmp_path):
+    """Issue 41, defects 3 and 7: a resume lands on the newest checkpoint that verifies and names the newer ones it
+    skipped, with their causes (its record carries them); a commit whose cursor is more than its steps could take
+    is one of them. With none that verifies it stops (a usage error, exit 2) unless told to start over."""
+    s = saver(tmp_path)
+    cfg_hash, uri = load_config("tiny").hash(), str(tmp_path / "ck")
+    for step in (4, 8):
+        checkpoint.save(uri, step, {"model.pt": {}}, {"cursor": 16 * step, "config_hash": cfg_hash}, keep=3)
+    commit = tmp_path / "ck" / "step-00000008" / checkpoint.COMMIT
+    commit.write_text(json.dumps(json.loads(commit.read_text()) | {"cursor": 10**18}))
+    point = s.resume_point(cfg_hash)
+    assert point.meta["step"] == 4 and "step-00000008 skipped" in point.reason
+    (skipped,) = point.skipped
+    assert skipped["error"] == f"commit.json: cursor is {10**18}, more than 8 steps of this run take (at most 128)"
+    assert s.rollback_point(cfg_hash, "a lost shard", "resume").skipped == point.skipped
+
+    (tmp_path / "ck" / "step-00000004" / "model.pt").write_bytes(b"changed")
+    with pytest.raises(checkpoint.CheckpointsCorrupt, match="--restart-if-corrupt") as refused:
+        s.resume_point(cfg_hash)
+    assert "step-00000004: model.pt does not match its sha256" in str(refused.value)
+    point = s.resume_point(cfg_hash, restart_if_corrupt=True)
+    assert point.ckpt is None and point.meta["step"] == 0 and len(point.skipped) == 2
+    with pytest.raises(JobError, match="a lost shard needs a checkpoint to go back to, and no checkpoint under"):
+        s.rollback_point(cfg_hash, "a lost shard", "resume")
     s.close()

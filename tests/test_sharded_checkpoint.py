@@ -3,11 +3,15 @@ background, under the checkpoint's commit; a failed write, a tampered file and a
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
-import os
+import json
 import pickle
+from pathlib import Path
 
 import fsspec
+import hostile
 import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
@@ -16,7 +20,7 @@ from app.core import checkpoint
 from app.core.config import ConfigError, load_config, override
 from app.core.finetune import check_base, model_only
 from app.core.model import GPT
-from app.core.sharded_checkpoint import SavedWeights, _MetadataUnpickler, written
+from app.core.sharded_checkpoint import SavedWeights, read_metadata, state_dict, whole_state, written
 
 from runs import records, run
 
@@ -56,16 +60,112 @@ def test_a_failed_shard_write_is_recorded_and_a_tampered_shard_is_named_on_load(
     assert checkpoint.load_latest(uri).meta["step"] == 6
 
 
-class _Hostile:
-    def __reduce__(self):
-        return (os.getcwd, ())
+MARK = "MARKER"  # the crafted pickles' command touches this file; each case names its own in tmp_path
 
 
-def test_a_metadata_file_that_would_build_anything_else_is_refused():
-    """DCP's `.metadata` is a pickle: from storage it may build DCP's metadata classes and torch's sizes and dtypes,
-    not a call to anything else."""
-    with pytest.raises(pickle.UnpicklingError, match="may not build posix.getcwd"):
-        _MetadataUnpickler(io.BytesIO(pickle.dumps(_Hostile()))).load()
+def dcp_run(tmp_path, step: int = 6):
+    """A run directory as a laid-out run leaves it: config.yaml, and a committed checkpoint of DCP files (the tiny
+    GPT's weights and AdamW state) with extra.pt. Its step directory."""
+    cfg = load_config("tiny", [f"run.root={tmp_path}"])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 9)))[1].backward()
+    optimizer.step()
+    path = checkpoint.prepare(str(run_dir / "checkpoints"), step)
+    torch_dcp.save(state_dict(model, optimizer), checkpoint_id=f"{path}/dcp", no_dist=True)
+    files = written(f"{path}/dcp", 0) | {"extra.pt": checkpoint.write_part(path, "extra.pt", {"scheduler": {}})}
+    meta = {"level": "full", "step": step, "cursor": 0, "config_hash": cfg.hash(), "config": cfg.model_dump()}
+    checkpoint.commit(path, meta, files)
+    return run_dir, path.removeprefix("file://")
+
+
+def replace_file(step_dir: str, name: str, body: bytes) -> None:
+    """What someone who can write the checkpoint does: a file replaced, its sha256 in commit.json to match."""
+    (Path(step_dir) / name).write_bytes(body)
+    commit = json.loads((Path(step_dir) / checkpoint.COMMIT).read_text())
+    commit["files"][name] = {"bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+    (Path(step_dir) / checkpoint.COMMIT).write_text(json.dumps(commit))
+
+
+def one_line_naming(error: BaseException, file: str) -> str:
+    text = str(error)
+    assert "\n" not in text and file in text, text
+    return text
+
+
+@pytest.mark.parametrize("case", sorted(hostile.crafted(MARK)))
+def test_a_crafted_metadata_pickle_runs_nothing_and_is_refused_in_one_line_naming_the_file(tmp_path, case):
+    """Issue 41, defect 1: the `.metadata` unpickler allowed by module, and a dotted name through an allowed module
+    reached os.system. Each crafted pickle runs its command in a plain pickle.loads (so it is hostile); our reader
+    builds exact classes only, and refuses each with one line naming the file, running nothing."""
+    marker = tmp_path / "ran"
+    body = hostile.crafted(str(marker))[case]
+    with contextlib.suppress(Exception):
+        pickle.loads(body)
+    assert marker.exists(), f"{case}: not hostile after all"
+    marker.unlink()
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        read_metadata("dcp/.metadata", io.BytesIO(body))
+    one_line_naming(refused.value, "dcp/.metadata")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("case", sorted(hostile.refused_only("/etc/passwd")))
+def test_a_metadata_of_dcps_own_classes_that_no_save_writes_is_refused(case):
+    """Built of the very classes DCP writes, but not a save of tensors in this directory: a read pointed at another
+    file, a transform, an entry of pickled bytes (DCP would torch.load it with weights_only=False), and malformed
+    pickles."""
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        read_metadata("dcp/.metadata", io.BytesIO(hostile.refused_only("/etc/passwd")[case]))
+    one_line_naming(refused.value, "dcp/.metadata")
+
+
+def test_a_hostile_metadata_rehashed_into_the_commit_is_refused_by_every_reader(tmp_path, capsys):
+    """The attack end to end: the crafted `.metadata` written into a committed checkpoint, commit.json re-hashed to
+    match. Finding the newest checkpoint names it and its cause (a resume's path), and `etrain generate` and
+    `etrain export` stop with exit 2 in one line; nothing runs."""
+    from app.cli import main
+
+    run_dir, step_dir = dcp_run(tmp_path)
+    marker = tmp_path / "ran"
+    replace_file(step_dir, "dcp/.metadata", hostile.crafted(str(marker))["dotted name through an allowed module"])
+    with pytest.raises(checkpoint.CheckpointsCorrupt) as refused:
+        checkpoint.load_latest(str(run_dir / "checkpoints"))
+    assert "step-00000006" in str(refused.value) and "dcp/.metadata" in refused.value.skipped[0]["error"]
+    assert "os.system" in refused.value.skipped[0]["error"]
+    assert main(["generate", step_dir, "--prompt", "a", "--max-new-tokens", "2"]) == 2
+    assert main(["generate", str(run_dir), "--prompt", "a", "--max-new-tokens", "2"]) == 2
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("dcp/.metadata") == 3 and "Traceback" not in err
+    with pytest.raises(checkpoint.CheckpointError, match=r"dcp/\.metadata"):
+        whole_state(f"{step_dir}/dcp")  # a reader handed the directory without its commit refuses it too
+    assert not marker.exists()
+
+
+def test_a_crafted_tensor_file_is_refused_by_weights_only(tmp_path):
+    """DCP reads each tensor of a `.distcp` with torch.load(weights_only=True): a torch file whose pickle calls
+    os.system, appended to a shard and pointed at by the metadata (in DCP's own classes), is refused, naming the
+    checkpoint, and runs nothing."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    _, step_dir = dcp_run(tmp_path)
+    marker = tmp_path / "ran"
+    data = hostile.in_torch_file(hostile.crafted(str(marker))["os.system"])
+    shard, index = Path(step_dir) / "dcp" / "__0_0.distcp", Path(step_dir) / "dcp" / ".metadata"
+    metadata = pickle.loads(index.read_bytes())
+    first = next(iter(metadata.storage_data))
+    metadata.storage_data[first] = _StorageInfo("__0_0.distcp", shard.stat().st_size, len(data))
+    shard.write_bytes(shard.read_bytes() + data)
+    index.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        whole_state(f"{step_dir}/dcp")
+    assert "UnpicklingError: Weights only load failed" in one_line_naming(refused.value, f"{step_dir}/dcp")
+    assert not marker.exists()
 
 
 def test_a_base_in_dcp_files_is_checked_one_tensor_at_a_time(tmp_path):

@@ -40,6 +40,7 @@ from app.core.checkpoint import (
     DCP,
     LIGHT,
     deserialize,
+    read_part,
     light_weights,
     model_weights,
     serialize,
@@ -386,19 +387,19 @@ def assemble(parts: dict[str, bytes]) -> dict:
     """A checkpoint's parts as one state: a light checkpoint's weights over its base's, ZeRO-1 shards merged; a
     sharded run's as the URI of its DCP files, which each rank reads its part of (engine `load`)."""
     if DCP in parts:
-        return {"dcp": parts[DCP].decode(), **deserialize(parts["extra.pt"]), "residuals": None}
+        return {"dcp": parts[DCP].decode(), **read_part(parts, "extra.pt"), "residuals": None}
     model = model_weights(parts)
     if "optim.pt" in parts:
-        optimizer = deserialize(parts["optim.pt"])
+        optimizer = read_part(parts, "optim.pt")
     else:
-        shards = [deserialize(parts[n]) for n in sorted(parts) if re.fullmatch(r"optim-\d+\.pt", n)]
-        optimizer = zero_state.merge(shards, deserialize(parts["optim-groups.pt"]))
+        shards = [read_part(parts, n) for n in sorted(parts) if re.fullmatch(r"optim-\d+\.pt", n)]
+        optimizer = zero_state.merge(shards, read_part(parts, "optim-groups.pt"))
     # top-k's residuals, one file per rank of the group that saved: a light checkpoint's come from its base, another
     # step's state, and are dropped
     ranks = {int(m[1]): n for n in parts if (m := re.fullmatch(r"residual-(\d+)\.pt", n))}
     if ranks and sorted(ranks) != list(range(len(ranks))):
         raise ValueError(f"the checkpoint's residual files are not one per rank 0..N-1: {sorted(ranks.values())}")
-    carried = [deserialize(parts[ranks[r]]) for r in sorted(ranks)] if ranks and LIGHT not in parts else None
+    carried = [read_part(parts, ranks[r]) for r in sorted(ranks)] if ranks and LIGHT not in parts else None
     # DiLoCo's inner optimizer states: rank 0's is optim.pt, each other rank's its own file
     inner = {int(m[1]): n for n in parts if (m := re.fullmatch(r"inner-(\d+)\.pt", n))}
     if inner and sorted(inner) != list(range(1, len(inner) + 1)):
@@ -406,6 +407,6 @@ def assemble(parts: dict[str, bytes]) -> dict:
             f"the checkpoint's inner optimizer files are not one per rank 1..N-1: {sorted(inner)}; move this "
             "checkpoint's directory aside and resume: the run goes on from the newest checkpoint before it"
         )
-    inners = [optimizer, *(deserialize(parts[inner[r]]) for r in sorted(inner))] if inner else None
-    extra = deserialize(parts["extra.pt"])
+    inners = [optimizer, *(read_part(parts, inner[r]) for r in sorted(inner))] if inner else None
+    extra = read_part(parts, "extra.pt")
     return {"model": model, "optimizer": optimizer, **extra, "residuals": carried, "inner": inners}

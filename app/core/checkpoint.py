@@ -23,12 +23,15 @@ import io
 import json
 import logging
 import posixpath
+import re
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import fsspec
 
+from app.core.errors import UsageError
 from app.core.storage import STORAGE_ERRORS, describe
 
 logger = logging.getLogger(__name__)
@@ -39,8 +42,21 @@ LIGHT = "light.pt"  # a light checkpoint's weights, as handed to the loader besi
 DCP = "dcp"  # a sharded run's directory of DCP files in a step directory; in the parts handed on, its URI
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(UsageError):
+    """A checkpoint that is not what it claims: a part missing or changed, a commit that does not parse or holds
+    values no save writes, a metadata file that would build anything but DCP's index. The message names the file."""
+
+
+class CheckpointsCorrupt(CheckpointError):
+    """Committed checkpoints were found and none of them verifies: a resume that went on would start from scratch,
+    so it stops instead (exit 2), naming each one with its cause (`skipped`)."""
+
+    def __init__(self, message: str, skipped: list[dict]):
+        super().__init__(message)
+        self.skipped = skipped
+
+    def __reduce__(self):  # raised in the coordinator, read by the driver
+        return type(self), (str(self), self.skipped)
 
 
 @dataclass
@@ -50,6 +66,7 @@ class Checkpoint:
     parts: dict[str, bytes]  # verified part files; a light one's weights under LIGHT, the rest from its base; a
     # sharded run's DCP files verified but not read (each rank reads its own): their directory's URI under DCP
     base: str | None = None  # the full checkpoint a light one completes
+    skipped: list[dict] = field(default_factory=list)  # newer committed ones that failed verification: path, error
 
 
 def checkpoint_uri(cfg, run_dir) -> str:
@@ -65,10 +82,23 @@ def serialize(state) -> bytes:
     return buf.getvalue()
 
 
-def deserialize(data: bytes):
+def deserialize(data: bytes, name: str = "a checkpoint part"):
+    """A part's tensors and plain values; a pickle that holds anything else (weights_only refuses it) or a file that
+    is not torch's as one line naming the part (`name`)."""
+    import pickle
+
     import torch
 
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise CheckpointError(f"{name} is not a file of tensors this version reads: {type(e).__name__}: {first}") from None
+
+
+def read_part(parts: dict[str, bytes], name: str):
+    """The part `name` of a checkpoint's verified parts, deserialized."""
+    return deserialize(parts[name], name)
 
 
 def tensor_hash(tensor) -> str:
@@ -167,18 +197,30 @@ def save(uri: str, step: int, parts: dict[str, object], meta: dict, keep: int) -
     return path
 
 
-def load_latest(uri: str) -> Checkpoint | None:
-    """The newest committed checkpoint whose parts verify (a light one with its base); older ones if it is bad."""
+def load_latest(uri: str, accept: Callable[[dict], str | None] | None = None) -> Checkpoint | None:
+    """The newest committed checkpoint whose parts verify (a light one with its base), and that `accept` (a commit's
+    check against the run, returning what is wrong) takes; each newer one skipped is logged and kept in its
+    `skipped`. None when nothing is committed; CheckpointsCorrupt when something is and none verifies."""
     fs, root = fsspec.core.url_to_fs(uri)
     fs.invalidate_cache(root)  # listings are cached per process; another process wrote these
+    skipped = []
     for path in reversed(_step_dirs(fs, root)):
-        meta = _read_commit(fs, path)
-        if meta is None:
-            continue
         try:
-            return _load(fs, path, meta)
+            meta = _read_commit(fs, path)
+            if meta is None:  # no commit: a save in flight, or the debris of a crash
+                continue
+            if accept is not None and (wrong := accept(meta)):
+                raise CheckpointError(f"{COMMIT}: {wrong}")
+            ckpt = _load(fs, path, meta)
         except CheckpointError as e:
-            logger.warning("skipping checkpoint %s: %s; falling back to an earlier one", path, e)
+            logger.warning("skipping checkpoint %s: %s", fs.unstrip_protocol(path), e)
+            skipped.append({"path": fs.unstrip_protocol(path), "error": str(e)})
+            continue
+        ckpt.skipped = skipped
+        return ckpt
+    if skipped:
+        names = "; ".join(f"{posixpath.basename(s['path'])}: {s['error']}" for s in skipped)
+        raise CheckpointsCorrupt(f"no checkpoint under {uri} verifies ({names})", skipped)
     return None
 
 
@@ -187,7 +229,7 @@ def newest_meta(uri: str) -> dict | None:
     fs, root = fsspec.core.url_to_fs(uri)
     fs.invalidate_cache(root)
     for path in reversed(_step_dirs(fs, root)):
-        if (meta := _read_commit(fs, path, quiet=True)) is not None:
+        if (meta := _quiet_commit(fs, path)) is not None:
             return meta
     return None
 
@@ -196,7 +238,7 @@ def load_at(uri: str) -> Checkpoint:
     """The committed checkpoint in the step directory `uri`, verified; CheckpointError if it is not one."""
     fs, path = fsspec.core.url_to_fs(uri)
     fs.invalidate_cache(posixpath.dirname(path.rstrip("/")))
-    meta = _read_commit(fs, path, quiet=True)
+    meta = _read_commit(fs, path)
     if meta is None:
         raise CheckpointError(f"{uri} holds no committed checkpoint ({COMMIT} missing or unreadable)")
     return _load(fs, path, meta)
@@ -206,7 +248,7 @@ def dcp_dir(uri: str) -> str | None:
     """The DCP directory of the committed checkpoint at `uri` (a layout wrote it), or None (a whole model's files):
     its commit is read, its files are not (a caller that reads slices of them has had them verified)."""
     fs, path = fsspec.core.url_to_fs(uri)
-    meta = _read_commit(fs, path, quiet=True)
+    meta = _read_commit(fs, path)
     if meta is None:
         raise CheckpointError(f"{uri} holds no committed checkpoint ({COMMIT} missing or unreadable)")
     if any(name.startswith(DCP + "/") for name in meta["files"]):
@@ -218,7 +260,10 @@ def _load(fs, path: str, meta: dict) -> Checkpoint:
     if meta["level"] == "full":
         return Checkpoint(fs.unstrip_protocol(path), meta, _read_parts(fs, path, meta))
     base = posixpath.join(posixpath.dirname(path.rstrip("/")), meta["base"])
-    base_meta = _read_commit(fs, base)
+    try:
+        base_meta = _read_commit(fs, base)
+    except CheckpointError as e:
+        raise CheckpointError(f"its base {meta['base']}: {e}") from None
     if base_meta is None:
         raise CheckpointError(f"its base {meta['base']} is gone or uncommitted")
     parts = _read_parts(fs, base, base_meta) | {LIGHT: _read_parts(fs, path, meta)["model.pt"]}
@@ -232,9 +277,9 @@ def model_weights(parts: dict[str, bytes]) -> dict:
         from app.core.sharded_checkpoint import whole_state
 
         return whole_state(parts[DCP].decode())["model"]
-    model = deserialize(parts["model.pt"])
+    model = read_part(parts, "model.pt")
     if LIGHT in parts:
-        model |= {k: v.to(model[k].dtype) for k, v in deserialize(parts[LIGHT]).items()}
+        model |= {k: v.to(model[k].dtype) for k, v in read_part(parts, LIGHT).items()}
     return model
 
 
@@ -251,7 +296,7 @@ def retain(uri: str, keep: int) -> None:
     fs, root = fsspec.core.url_to_fs(uri)
     fs.invalidate_cache(root)
     dirs = _step_dirs(fs, root)
-    metas = {p: _read_commit(fs, p, quiet=True) for p in dirs}
+    metas = {p: _quiet_commit(fs, p) for p in dirs}
     fulls = [p for p in dirs if metas[p] and metas[p]["level"] == "full"]
     lights = [p for p in dirs if metas[p] and metas[p]["level"] == "light" and fulls and p > fulls[-1]]
     kept = set(fulls[-keep:]) | set(lights[-keep:])
@@ -339,6 +384,11 @@ def _read_parts(fs, path: str, meta: dict) -> dict[str, bytes]:
             parts[DCP] = fs.unstrip_protocol(posixpath.join(path, DCP)).encode()
         else:
             parts[name] = data
+    if DCP in parts:  # its index, read as the ranks will read it: a file that would build anything else is refused
+        from app.core.sharded_checkpoint import METADATA, read_metadata
+
+        with fs.open(posixpath.join(path, DCP, METADATA), "rb") as f:
+            read_metadata(f"{DCP}/{METADATA}", f)
     return parts
 
 
@@ -352,20 +402,66 @@ def file_digest(fs, path: str) -> dict:
     return {"bytes": size, "sha256": sha.hexdigest()}
 
 
-def _read_commit(fs, path: str, quiet: bool = False) -> dict | None:
+def _read_commit(fs, path: str) -> dict | None:
+    """A step directory's commit, checked to be one a save writes; None when it has none (a save in flight, or the
+    debris of a crash); CheckpointError naming what is wrong when it has one that is not."""
     try:
-        meta = json.loads(fs.cat_file(posixpath.join(path, COMMIT)))
+        body = fs.cat_file(posixpath.join(path, COMMIT))
     except FileNotFoundError:
         return None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        if not quiet:
-            logger.warning("skipping checkpoint %s: unreadable %s", path, COMMIT)
-        return None
-    if not (isinstance(meta, dict) and meta.get("level") in ("full", "light") and isinstance(meta.get("files"), dict)):
-        if not quiet:
-            logger.warning("skipping checkpoint %s: its %s is not one this version writes", path, COMMIT)
-        return None
+    try:
+        meta = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{COMMIT} does not parse as JSON ({e})") from None
+    if why := _not_a_commit(meta, posixpath.basename(path.rstrip("/"))):
+        raise CheckpointError(f"{COMMIT}: {why}")
     return meta
+
+
+def _quiet_commit(fs, path: str) -> dict | None:
+    """A step directory's commit, or None when it has none or a corrupt one (a look at how far a run got)."""
+    try:
+        return _read_commit(fs, path)
+    except CheckpointError:
+        return None
+
+
+_PART = re.compile(r"(dcp/)?(\.metadata|[A-Za-z0-9_][A-Za-z0-9_.-]*)")  # a part: in its step directory, or its dcp/
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_STEP_DIR = re.compile(r"step-\d{8,}")
+
+
+def _not_a_commit(meta, directory: str) -> str | None:
+    """What makes `meta` something no save writes, or None: the fields a load acts on, each of its type and range,
+    and the step the one its directory is named for."""
+    if not isinstance(meta, dict):
+        return f"holds a {type(meta).__name__}, not an object"
+    if meta.get("level") not in ("full", "light"):
+        return f"level is {meta.get('level')!r}, not full or light"
+    if not _count(meta.get("step")) or f"step-{meta['step']:08d}" != directory:
+        return f"step is {meta.get('step')!r}, not the step of its directory {directory}"
+    if "cursor" in meta and not _count(meta["cursor"]):
+        return f"cursor is {meta['cursor']!r}, not a whole number of samples >= 0"
+    if meta["level"] == "light" and not (
+        isinstance(meta.get("base"), str)
+        and re.fullmatch(r"step-\d{8}", meta["base"])
+        and _count(meta.get("base_step"))
+    ):
+        return f"base is {meta.get('base')!r}, not a step directory beside it"
+    files = meta.get("files")
+    if not isinstance(files, dict) or not files:
+        return "files is not a mapping of its parts"
+    for name, info in files.items():
+        if not _PART.fullmatch(name):
+            return f"names a part {name!r}, which is not a file of its step directory"
+        if not (isinstance(info, dict) and _count(info.get("bytes")) and _SHA256.fullmatch(str(info.get("sha256")))):
+            return f"part {name} has no size and sha256"
+    return None
+
+
+def _count(value) -> bool:
+    """A whole number >= 0 (a JSON bool is not one)."""
+    return type(value) is int and value >= 0
 
 
 def _step_dirs(fs, root: str) -> list[str]:

@@ -1061,6 +1061,14 @@ class Config(Section):
             return self.train.global_batch
         return self.train.global_batch // self.cluster.num_workers * world
 
+    def most_per_step(self) -> int:
+        """The most samples one step can take: a PPO step's rollouts, the global batch, or with
+        train.batch_scaling=linear the batch of 65,536 workers (no group is larger). A checkpoint's cursor is held to
+        its steps times this: a cursor beyond it was not written by a run of this config."""
+        if self.ppo.reward is not None:
+            return self.ppo.rollouts
+        return self.train.global_batch if self.train.batch_scaling == "constant" else self.batch_at(65536)
+
     def hash(self) -> str:
         """Identity of what is trained: everything but the RESUMABLE keys."""
         body = self.model_dump()

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -304,6 +304,11 @@ class Replica:
                 total += next_token_loss(h, ys).double() * len(xs)
         if pp is not None:
             dist.all_reduce(total, group=pp)  # only the last stage's is non-zero
+        if isinstance(self.model, FSDPModule):
+            # FSDP's root keeps the parameters it gathered after a forward alone (a backward would reshard them):
+            # until then they are not the tensors the optimizer's state is keyed by, and a save would leave the
+            # embedding's and final norm's moments out
+            self.model.reshard()
         return total.item() / len(x)
 
     def _over_replicas(self, mean: torch.Tensor) -> float:

@@ -184,6 +184,7 @@ class Rewind:
     reached_step: int
     records_redone: int
     load_s: float | None
+    skipped: list[dict] | None = None  # newer committed checkpoints that failed verification: path, error
 
     def as_dict(self) -> dict:
         return {**asdict(self), "time": time.time()}

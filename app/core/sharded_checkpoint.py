@@ -3,14 +3,16 @@ rank ever holds the whole model; a state saved at one layout loads at any other 
 
 The files sit in the step directory's `dcp/` beside `extra.pt` (schedule and scaler) and go through the
 checkpoint's commit like any part (app/core/checkpoint.py): written first, each with its sha256 in `commit.json`,
-verified before a load. DCP's `.metadata` is a pickle: it is read with an unpickler that builds only DCP's own
-metadata classes and torch's sizes and dtypes, never an arbitrary object.
+verified before a load. DCP's `.metadata` is a pickle: it is read with an unpickler that builds exactly the classes
+DCP writes there (ALLOWED), then checked to index tensors in this directory's files alone; and the planner every load
+here uses refuses DCP's one read that unpickles (an entry of bytes), so no file from storage can run code.
 """
 
 from __future__ import annotations
 
 import pickle
 import posixpath
+import re
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 
@@ -19,9 +21,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from app.core.checkpoint import DCP, file_digest
+from app.core.checkpoint import DCP, CheckpointError, file_digest
+from app.core.storage import STORAGE_ERRORS
 
 METADATA = ".metadata"
 
@@ -77,13 +84,14 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str, tie
         keys = {k.rsplit(".", 1)[1] for k in saved if k.startswith(prefix)}
         if keys and p not in optimizer.state:
             optimizer.state[p] = {k: _like(p, saved[prefix + k]) for k in keys}
-    dcp.load(state_dict(model, optimizer, tied), storage_reader=reader, no_dist=True)
+    _check_optimizer_state(model, saved, tied, uri)
+    _load(state_dict(model, optimizer, tied), reader)
 
 
 def load_weights(model: torch.nn.Module, uri: str) -> None:
     """Take the weights of the checkpoint under `uri` into this rank's part, in place (each rank reads the slices it
     holds), and none of its optimizer state: a fine-tuning run's start from a base a layout wrote."""
-    dcp.load({"model": model.state_dict()}, storage_reader=_reader(uri), no_dist=True)
+    _load({"model": model.state_dict()}, _reader(uri))
 
 
 class SavedWeights(Mapping):
@@ -100,7 +108,7 @@ class SavedWeights(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         meta = self._meta[name]
         one = {f"model.{name}": torch.empty(meta.size, dtype=meta.properties.dtype)}
-        dcp.load(one, storage_reader=self._reader, no_dist=True)
+        _load(one, self._reader)
         return one[f"model.{name}"]
 
     def __iter__(self) -> Iterator[str]:
@@ -119,7 +127,7 @@ def whole_state(uri: str) -> dict:
     reader = _reader(uri)
     saved = reader.read_metadata().state_dict_metadata
     flat = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items() if hasattr(m, "size")}
-    dcp.load(flat, storage_reader=reader, no_dist=True)
+    _load(flat, reader)
     state: dict = {"model": {}, "optim": {}}
     for key, t in flat.items():
         section, _, rest = key.partition(".")
@@ -129,6 +137,21 @@ def whole_state(uri: str) -> dict:
             name, _, k = rest.rpartition(".")
             state["optim"].setdefault(name, {})[k] = t
     return state
+
+
+def _check_optimizer_state(model: torch.nn.Module, saved: dict, tied: bool, uri: str) -> None:
+    """A checkpoint with optimizer state holds it for every trainable parameter (none: a run's first save, before
+    its first step): a part missing would start those moments afresh, and the run leave its trajectory unnoticed."""
+    held = {k.removeprefix("optim.").rsplit(".", 1)[0] for k in saved if k.startswith("optim.")}
+    if not held:
+        return
+    trainable = {optim_name(name, tied) for name, p in model.named_parameters() if p.requires_grad}
+    if missing := sorted(trainable - held):
+        raise CheckpointError(
+            f"{uri} holds no optimizer state for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}: "
+            "resuming from it would start their moments afresh; move this checkpoint's step directory aside and "
+            "resume from the one before it"
+        )
 
 
 def _like(p: torch.Tensor, meta) -> torch.Tensor:
@@ -155,40 +178,99 @@ def _path(uri: str) -> str:
     return uri.removeprefix("file://")
 
 
+# Exactly the classes and values torch's DCP writes into a `.metadata` (torch 2.13), by module and name: a pickle
+# from storage that names anything else, a dotted path through one of these modules included, is refused before it
+# is built. BytesStorageMetadata is left out on purpose: DCP reads such an entry with torch.load(weights_only=False).
+_METADATA = "torch.distributed.checkpoint.metadata"
+ALLOWED = {
+    (_METADATA, "Metadata"),
+    (_METADATA, "TensorStorageMetadata"),
+    (_METADATA, "TensorProperties"),
+    (_METADATA, "ChunkStorageMetadata"),
+    (_METADATA, "MetadataIndex"),
+    (_METADATA, "StorageMeta"),
+    (_METADATA, "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),  # the checkpoint id DCP keeps
+} | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
+_FILE = re.compile(r"__\d+_\d+\.distcp")  # the only files a metadata may point a read at, beside itself
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's metadata classes, torch's sizes, dtypes, layouts and memory formats, paths and plain containers:
-    nothing else a `.metadata` from storage may build."""
-
-    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    BUILTINS = {"set", "frozenset", "slice", "tuple", "list", "dict"}
-    OTHERS = {
-        ("collections", "OrderedDict"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),  # the checkpoint id DCP keeps
-        ("pathlib", "PurePosixPath"),
-    }
-
     def find_class(self, module: str, name: str):
-        if module in self.MODULES:
-            return super().find_class(module, name)
-        if (module, name) in self.OTHERS:
-            return super().find_class(module, name)
-        if module == "builtins" and name in self.BUILTINS:
-            return super().find_class(module, name)
-        if module == "torch":
-            found = getattr(torch, name, None)
-            if name == "Size" or isinstance(found, torch.dtype | torch.layout | torch.memory_format):
-                return found
-        raise pickle.UnpicklingError(f"a DCP .metadata may not build {module}.{name}: not a checkpoint's metadata")
+        if (module, name) not in ALLOWED:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which a checkpoint's metadata never holds")
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("it holds a persistent id, which a checkpoint's metadata never does")
+
+
+def read_metadata(path: str, stream) -> Metadata:
+    """DCP's metadata from `stream` (the file `path`), built from ALLOWED alone and checked to describe tensors in
+    this directory's `.distcp` files and nothing else; CheckpointError naming the file otherwise."""
+    try:
+        metadata = _MetadataUnpickler(stream).load()
+    except Exception as e:  # a refused class, or any malformed pickle: the file is not a checkpoint's metadata
+        raise CheckpointError(f"{path} is not a DCP metadata file this version reads: {e}") from None
+    if why := _not_tensor_metadata(metadata):
+        raise CheckpointError(f"{path} is not a DCP metadata file this version reads: {why}")
+    return metadata
+
+
+def _not_tensor_metadata(metadata) -> str | None:
+    """What makes `metadata` something other than the index of a save of tensors, or None."""
+    if type(metadata) is not Metadata or not isinstance(metadata.state_dict_metadata, dict):
+        return f"it holds a {type(metadata).__name__}, not a Metadata"
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(key, str) or type(entry) is not TensorStorageMetadata:
+            return f"its entry {key!r} is a {type(entry).__name__}, not a tensor's"
+    if not isinstance(metadata.storage_data, dict):
+        return "its storage index is not a mapping"
+    for index, info in metadata.storage_data.items():
+        if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
+            return "its storage index holds something other than DCP's index entries"
+        if not (isinstance(info.relative_path, str) and _FILE.fullmatch(info.relative_path)):
+            return f"it points a read at {info.relative_path!r}, not one of the checkpoint's .distcp files"
+        if not all(type(n) is int and n >= 0 for n in (info.offset, info.length)):
+            return f"its entry for {index.fqn!r} has a negative or non-integer offset or length"
+        if info.transform_descriptors:
+            return f"its entry for {index.fqn!r} asks for transforms ({info.transform_descriptors}), never written here"
+    return None
+
+
+class _TensorsOnly(DefaultLoadPlanner):
+    """DCP's planner, less its one read that unpickles: an entry of bytes (torch.load with weights_only=False).
+    read_metadata admits none; this holds even for a reader that did not go through it."""
+
+    def load_bytes(self, read_item, value) -> None:
+        raise CheckpointError(
+            f"the checkpoint holds {read_item.dest_index.fqn} as pickled bytes, which etrain never writes"
+        )
+
+
+def _load(state: dict, reader) -> None:
+    """DCP's load with the planner above; a file it refuses (a tensor's pickle that is not only tensors, a slice
+    of another size) as one line naming the checkpoint, storage's own errors as they are."""
+    try:
+        dcp.load(state, storage_reader=reader, planner=_TensorsOnly(), no_dist=True)
+    except CheckpointException as e:
+        cause = next(iter(e.failures.values()), (e, None))[0]
+        if isinstance(cause, (CheckpointError, *STORAGE_ERRORS)):
+            raise cause from None
+        first = (str(cause).strip().splitlines() or [""])[0][:300]
+        raise CheckpointError(
+            f"the DCP files under {reader.path} could not be read: {type(cause).__name__}: {first}"
+        ) from None
 
 
 def _read_metadata(reader, *args, **kwargs):
     path = reader._get_metadata_path(kwargs.get("rank"))
     with reader.fs.create_stream(path, "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
+        metadata = read_metadata(str(path), f)
     if getattr(metadata, "storage_meta", None) is None:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         metadata.storage_meta = StorageMeta()
     metadata.storage_meta.load_id = reader.load_id
     return metadata
