@@ -3,7 +3,7 @@
 The coordinator publishes every record it writes to `metrics.jsonl` here too, so
 the dashboard and the run directory never disagree. Prometheus names carry Ray's
 `ray_` prefix (`ray_etrain_loss`); every series has a `run` tag.
-`configs/grafana/etrain.json` is a Grafana dashboard of them.
+`app/configs/grafana/etrain.json` is a Grafana dashboard of them.
 
 Every gauge that has a value is set again at each step: a series Ray's exporter has not
 seen set for a while drops out of the scrape, and a panel of the last checkpoint or the

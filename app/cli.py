@@ -557,7 +557,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--config",
             "-c",
-            help="preset name in configs/ (tiny, small, gpu-125m, gpu-1b) or a YAML file; none: the defaults",
+            help="preset name in app/configs/ (tiny, small, gpu-125m, gpu-1b) or a YAML file; none: the defaults",
         )
         p.add_argument(
             "--set",
@@ -746,7 +746,7 @@ def _parser() -> argparse.ArgumentParser:
         help="start it, print the exports its clients need, or stop it (its processes only, never `ray stop`)",
     )
     p.add_argument(
-        "--cpus", type=int, default=1, help="CPUs of the head (the autoscaler adds 2-CPU nodes: cluster-fake.yaml)"
+        "--cpus", type=int, default=1, help="CPUs of the head (the autoscaler adds 2-CPU nodes: app/local_cluster.yaml)"
     )
     p.add_argument("--no-autoscaler", action="store_true", help="a plain head, without the fake multi-node autoscaler")
 

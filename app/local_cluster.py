@@ -31,6 +31,7 @@ from app.core.errors import Failure, UsageError
 from app.core.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+FAKE_PROVIDER = Path(__file__).resolve().parent / "local_cluster.yaml"  # the fake multi-node autoscaler's config
 STATE = Path.home() / ".cache" / "etrain" / "cluster.json"  # the head `etrain cluster up` started
 
 
@@ -42,7 +43,7 @@ class LocalCluster:
     dashboard_port: int
     token: str
     head_cpus: int = 1
-    fake: bool = True  # the autoscaler on the fake multi-node provider (cluster-fake.yaml)
+    fake: bool = True  # the autoscaler on the fake multi-node provider (local_cluster.yaml)
     pid: int = 0  # of `ray start --block`, leader of the head's process group
 
     @classmethod
@@ -105,7 +106,7 @@ class LocalCluster:
         cmd += [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}"]
         cmd += [f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
         if self.fake:
-            config = yaml.safe_load((ROOT / "cluster-fake.yaml").read_text())
+            config = yaml.safe_load(FAKE_PROVIDER.read_text())
             config["provider"]["gcs_address"] = self.address
             (workdir / "cluster-fake.yaml").write_text(yaml.safe_dump(config))
             cmd.append(f"--autoscaling-config={workdir / 'cluster-fake.yaml'}")

@@ -5,7 +5,7 @@ is (actors/worker/compute.py on the data-parallel engine at one rank, with the p
 its commit, its report's byte counts and peak memory) against the loop a user would write in plain torch, on the
 same model, weights and rows:
 
-- the GPT of configs/gpu-125m.yaml (12 x 768, 1,024 tokens) and a Llama of the same width (GQA, SwiGLU), in bf16
+- the GPT of app/configs/gpu-125m.yaml (12 x 768, 1,024 tokens) and a Llama of the same width (GQA, SwiGLU), in bf16
   autocast and in fp16 with GradScaler: tokens/s of ours over plain's, and each one's loss after every step
   (the same code path must give the same losses);
 - plain torch with fused AdamW beside them: what `fused=True` would buy our optimizer (not used yet);

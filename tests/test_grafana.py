@@ -1,4 +1,4 @@
-"""`configs/grafana/etrain.json` against the metrics `actors/dashboard.py` publishes: no Ray cluster needed.
+"""`app/configs/grafana/etrain.json` against the metrics `actors/dashboard.py` publishes: no Ray cluster needed.
 
 The published metrics are read two ways: by constructing `Dashboard("t")` in a
 child process (`ray.util.metrics` objects can be built without `ray.init`, and the child keeps
@@ -22,7 +22,7 @@ import pytest
 from metric_source import declared_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-DASHBOARD_JSON = ROOT / "configs" / "grafana" / "etrain.json"
+DASHBOARD_JSON = ROOT / "app" / "configs" / "grafana" / "etrain.json"
 DASHBOARD_PY = ROOT / "actors" / "dashboard.py"
 METRIC = re.compile(r"\bray_etrain_\w+")
 # A metric whose description says it is a share of a whole (0 to 1): Grafana shows it as a percentage.

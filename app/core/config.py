@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from app.core.errors import UsageError
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
+PRESET_DIR = Path(__file__).resolve().parents[1] / "configs"  # package data: a wheel ships them
 
 # What a resume may change: how, where and how long a run goes on (and how gradients travel); never the
 # model, data or optimizer.
