@@ -482,9 +482,10 @@ def cmd_generate(args, started_at: float) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     loaded = load(args.source, device)
     print(f"model: {loaded.source}", file=sys.stderr)
-    prompt = loaded.encode(args.prompt)
-    tokens = generate(loaded.model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, loaded.eos)
-    print(args.prompt + loaded.decode(tokens))
+    codec = loaded.codec
+    prompt = codec.encode(args.prompt)
+    tokens = generate(loaded.model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, codec.eos)
+    print(args.prompt + codec.decode(tokens))
     return 0
 
 

@@ -3,8 +3,6 @@ Face directory) with a KV cache, on CPU or one GPU, decoded with the tokenizer i
 
 from __future__ import annotations
 
-import json
-import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +20,7 @@ from pipelines import tokenizer
 @dataclass
 class Loaded:
     model: LanguageModel
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
-    eos: int | None
+    codec: tokenizer.Codec
     source: str  # what the weights came from
 
 
@@ -34,12 +30,18 @@ def load(source: str, device: torch.device) -> Loaded:
     if hf.is_model_dir(source):
         model = make_model(hf.read_config(source))
         model.load_state_dict(hf.read_weights(source))
-        tok = _file_tokenizer(source, f"{source} holds no tokenizer.json")
-        return Loaded(model.to(device).eval(), *tok, source)
+        return Loaded(model.to(device).eval(), _codec(lambda: tokenizer.file_codec(source)), source)
     cfg, ckpt = _run_checkpoint(source)
     model = build_model(cfg)
     load_trained_state(model, checkpoint.model_weights(ckpt.parts))
-    return Loaded(model.to(device).eval(), *_data_tokenizer(cfg), ckpt.path)
+    return Loaded(model.to(device).eval(), _codec(lambda: tokenizer.for_run(cfg)), ckpt.path)
+
+
+def _codec(read: Callable[[], tokenizer.Codec]) -> tokenizer.Codec:
+    try:
+        return read()
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def _run_checkpoint(source: str) -> tuple[Config, checkpoint.Checkpoint]:
@@ -59,39 +61,6 @@ def _run_checkpoint(source: str) -> tuple[Config, checkpoint.Checkpoint]:
     if not isinstance(ckpt.meta.get("config"), dict):
         raise ConfigError(f"{source}: the checkpoint does not name its run's config; give the run directory")
     return validate(ckpt.meta["config"]), ckpt
-
-
-def _data_tokenizer(cfg: Config):
-    """(encode, decode, eos) of the data the run trained on."""
-    if cfg.data.source == "embedded":
-        return _bytes()
-    manifest = json.loads(Path(cfg.data.source).read_text()) if "://" not in cfg.data.source else None
-    if manifest is None:
-        import fsspec
-
-        with fsspec.open(cfg.data.source) as f:
-            manifest = json.load(f)
-    if manifest.get("tokenizer", tokenizer.BYTES) == tokenizer.BYTES:
-        return _bytes()
-    directory = posixpath.dirname(cfg.data.source)
-    return _file_tokenizer(directory, f"the tokenizer of {cfg.data.source} is gone from {directory}")
-
-
-def _bytes():
-    return (lambda text: [int(t) for t in tokenizer.encode(text)], tokenizer.decode, tokenizer.EOT)
-
-
-def _file_tokenizer(directory: str, missing: str):
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(directory)
-    if not fs.isfile(posixpath.join(root, tokenizer.FILE)):
-        raise ConfigError(missing)
-    try:
-        tok = tokenizer.read_file(directory)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return (lambda text: tok.tokenizer.encode(text, add_special_tokens=True).ids, tok.decode, tok.eos)
 
 
 @torch.no_grad()

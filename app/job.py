@@ -104,17 +104,34 @@ def check_inputs(cfg: Config) -> Config:
 
         read_script(cfg.health.script, max(cfg.cluster.num_workers, cfg.cluster.max_workers or 0))
         cfg = override(cfg, {"health.script": str(Path(cfg.health.script).resolve())})
-    if cfg.ppo.reward is not None:  # a reward that cannot be loaded, fails or is too slow
+    if cfg.ppo.reward is not None:  # a reward that cannot be loaded, fails or is too slow; text the model cannot read
         from app.core import rewards
 
         responses = max(cfg.ppo.rollouts, cfg.ppo.eval_prompts)
         rewards.probe(rewards.load(cfg.ppo.reward), responses, cfg.reward_timeout_s())
+        check_codec(cfg)
     if cfg.data.source != "embedded":
         check_data(cfg)
     address = cfg.cluster.address or (None if ray.is_initialized() else os.environ.get("RAY_ADDRESS"))
     if address and not address.startswith("ray://"):  # Ray Client's: its own connection, with its own timeout
         cluster.probe(address, cfg.timeouts.connect_s)
     return cfg
+
+
+def check_codec(cfg: Config) -> None:
+    """PPO's prompts and responses go through the run's tokenizer (pipelines/tokenizer.py `for_run`): one that is
+    missing, or has more tokens than the model's vocabulary, is refused before anything starts."""
+    from pipelines.tokenizer import for_run
+
+    try:
+        codec = for_run(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"PPO's prompts and responses go through the run's tokenizer: {e}") from None
+    if codec.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"the run's tokenizer ({codec.name}) has {codec.vocab_size} tokens, more than model.vocab_size="
+            f"{cfg.model.vocab_size}: PPO's prompts would hold ids the model has no embedding for"
+        )
 
 
 def check_resume(run_dir: Path, cfg: Config) -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,59 @@ def read_file(path: str | Path) -> TokenizerFile:
         raise ValueError(f"prepare.tokenizer {file}: {e}") from None
     except Exception as e:  # the library's own parse error: say which file
         raise ValueError(f"prepare.tokenizer {file} is not a tokenizer file `tokenizers` reads: {e}") from None
+
+
+@dataclass(frozen=True)
+class Codec:
+    """Text to a run's token ids and back, and its end of document (a response's end, a prompt's left padding):
+    what generation and PPO's rollouts go through, so that they speak the model's vocabulary."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    eos: int
+    vocab_size: int
+    name: str  # bytes, or the tokenizer file it was read from
+
+
+BYTE_CODEC = Codec(lambda text: [int(t) for t in encode(text)], decode, EOT, VOCAB_SIZE, BYTES)
+
+
+def file_codec(directory: str) -> Codec:
+    """The codec of the tokenizer.json in `directory` (a Hugging Face model's, or a prepared corpus'); ValueError
+    naming what is missing or wrong."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(str(directory))
+    if not fs.isfile(posixpath.join(root, FILE)):
+        raise ValueError(f"{directory} holds no {FILE}")
+    tok = read_file(directory)
+    return Codec(
+        lambda text: tok.tokenizer.encode(text, add_special_tokens=True).ids,
+        tok.decode,
+        tok.eos,
+        tok.vocab_size,
+        posixpath.join(str(directory), FILE),
+    )
+
+
+def for_run(cfg) -> Codec:
+    """The tokenizer a run's text goes through: its base's when that is a Hugging Face directory (its own
+    tokenizer.json), else the one its data was prepared with (bytes, or the file kept beside the shards).
+    ValueError naming what is missing."""
+    from app.core import hf
+
+    base = cfg.finetune.base
+    if base is not None and hf.is_model_dir(base):
+        return file_codec(base)
+    if cfg.data.source == "embedded":
+        return BYTE_CODEC
+    import fsspec
+
+    with fsspec.open(cfg.data.source) as f:
+        manifest = json.load(f)
+    if manifest.get("tokenizer", BYTES) == BYTES:
+        return BYTE_CODEC
+    return file_codec(posixpath.dirname(cfg.data.source))
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> TokenizerFile:

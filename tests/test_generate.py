@@ -70,8 +70,8 @@ def test_a_hugging_face_llama_generates_what_transformers_generates(rng, tmp_pat
     from app.generate import load
 
     loaded = load(str(tmp_path), torch.device("cpu"))
-    assert loaded.eos == tok.eos
-    assert generate(loaded.model, prompt, 24, eos=loaded.eos) == want
+    assert loaded.codec.eos == tok.eos
+    assert generate(loaded.model, prompt, 24, eos=loaded.codec.eos) == want
 
     assert main(["generate", str(tmp_path), "--prompt", "the cat sat", "--max-new-tokens", "24"]) == 0
     # The text as printed: a decoded tail that ends in whitespace keeps it.

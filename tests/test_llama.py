@@ -250,7 +250,7 @@ def test_a_hugging_face_directory_on_s3_is_read_a_tensor_at_a_time(s3_bucket, s3
     assert cfg.finetune.base_digest == checkpoint.weights_digest(hf.read_weights(tmp_path / "local"))
     check_base(cfg)
     loaded = load(uri, torch.device("cpu"))
-    assert loaded.encode("the cat") == tok.tokenizer.encode("the cat").ids
+    assert loaded.codec.encode("the cat") == tok.tokenizer.encode("the cat").ids
     tokens = torch.randint(0, cfg.model.vocab_size, (1, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(loaded.model.logits(tokens), theirs(tokens).logits)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from app.core.ppo import AdaptiveKL, boosted, entropy, gae, moments, policy_loss, token_rewards, value_loss, whiten
+from pipelines import tokenizer
 
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])  # two responses of 3 and 2 tokens
 
@@ -81,9 +82,29 @@ def test_the_kl_coefficient_moves_towards_the_target_with_a_clipped_error():
 def test_prompts_are_left_padded_with_the_separator_and_a_response_ends_at_its_first():
     from actors.worker.rollout import prompt_tokens, response_mask, response_texts
 
-    rows = prompt_tokens(["ab", "abcdef"], 4)
+    rows = prompt_tokens(["ab", "abcdef"], 4, tokenizer.BYTE_CODEC)
     assert rows.tolist() == [[0, 0, 97, 98], [99, 100, 101, 102]]  # cut to the last 4 bytes
     responses = torch.tensor([[49, 50, 0, 51], [49, 50, 51, 52]])
-    mask = response_mask(responses)
+    mask = response_mask(responses, tokenizer.EOT)
     assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]  # the separator counts, what follows it does not
-    assert response_texts(responses, mask) == ["12", "1234"]
+    assert response_texts(responses, mask, tokenizer.BYTE_CODEC) == ["12", "1234"]
+
+
+def test_rollouts_speak_the_runs_tokenizer_not_bytes(tmp_path):
+    """Issue 41, defect 5: PPO encoded prompts and decoded responses as bytes whatever the model's vocabulary, and
+    a response token above 255 failed the step (`bytes must be in range(0, 256)`). With a BPE's codec the prompt is
+    its tokens, padded with its end of document, and a response of ids far above 255 decodes to its text."""
+    from actors.worker.rollout import prompt_tokens, response_mask, response_texts
+
+    tok = tokenizer.train_bpe(iter(["x = 1234 and y = 5678; " * 8] * 16), vocab_size=300)
+    (tmp_path / tokenizer.FILE).write_text(tok.text)
+    codec = tokenizer.file_codec(str(tmp_path))
+    ids = codec.encode("x = 12")
+    rows = prompt_tokens(["x = 12"], len(ids) + 2, codec)
+    assert rows.tolist() == [[codec.eos, codec.eos, *ids]]
+    answer = codec.encode(" 5678; y")
+    assert max(answer) > 255
+    responses = torch.tensor([[*answer, codec.eos, answer[0]]])
+    mask = response_mask(responses, codec.eos)
+    assert mask.sum() == len(answer) + 1
+    assert response_texts(responses, mask, codec) == [" 5678; y"]

@@ -144,3 +144,28 @@ def test_a_reward_that_is_slow_or_fails_in_a_run_ends_it_in_one_line_naming_the_
     assert f"{user}:score" in details
     if "raised" in said:
         assert 'user_reward.py", line 5, in score' in details
+
+
+def test_ppo_from_a_hugging_face_directory_rolls_out_in_its_own_tokenizer(make_cfg, tmp_path):
+    """Issue 41, defect 5: `etrain ppo --from DIR` with a Hugging Face base whose tokenizer is a 512-token BPE
+    (examples/tiny_llama.py) failed its first step after Ray started (its responses decoded as bytes: `bytes must
+    be in range(0, 256)`). Its prompts and responses now go through the base's tokenizer.json, and it trains."""
+    import subprocess
+    import sys
+
+    from runs import ROOT
+
+    base = tmp_path / "tiny-llama"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_llama.py"), str(base)], check=True, cwd=ROOT)
+    data = make_cfg().data
+    settings = [
+        "train.steps=2", "train.eval_every=2", "cluster.num_workers=1", "ppo.rollouts=8", "ppo.response_len=8",
+        "ppo.eval_prompts=8", f"run.root={tmp_path / 'runs'}", "run.name=hf-ppo", f"data.cache_dir={data.cache_dir}",
+        f"data.corpus_bytes={data.corpus_bytes}", f"data.shard_bytes={data.shard_bytes}",
+    ]  # fmt: skip
+    args = ["ppo", "--from", str(base), "--reward", "digits", "--no-progress"]
+    assert main([*args, *(a for s in settings for a in ("--set", s))]) == 0
+    run_dir = tmp_path / "runs" / "hf-ppo"
+    steps = records(run_dir, "train")
+    assert [r["step"] for r in steps] == [1, 2] and all(-1 <= r["reward"] <= 1 for r in steps)
+    assert records(run_dir, "eval")[-1]["eval_reward"] is not None

@@ -12,6 +12,7 @@ import torch
 from app.core.config import ConfigError, load_config
 from app.core.model import GPT, sample
 from app.core.rewards import TASKS, RewardError, Task, brackets, digits, length, load, probe, score_all
+from pipelines import tokenizer
 
 
 def test_digits_scores_the_share_of_digits():
@@ -132,3 +133,33 @@ def test_a_ppo_config_says_why_it_needs_checkpoints_and_a_reward_timeout_inside_
         load_config("tiny", [*ppo, "checkpoint.every=0"])
     with pytest.raises(ConfigError, match="ppo.reward_timeout_s=200 must be below timeouts.step_s=180"):
         load_config("tiny", [*ppo, "ppo.reward_timeout_s=200"])
+
+
+def test_etrain_ppo_refuses_a_base_whose_tokenizer_it_cannot_read_before_anything_starts(tmp_path, capsys):
+    """Issue 41, defect 5: PPO's text goes through the run's tokenizer, a Hugging Face base's own. A base with no
+    tokenizer.json, or one with more tokens than the model has embeddings, is refused before Ray (exit 2), and no
+    run directory is left."""
+    import subprocess
+    import sys
+
+    from app.cli import main
+
+    from runs import ROOT
+
+    base = tmp_path / "tiny-llama"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_llama.py"), str(base)], check=True, cwd=ROOT)
+    text = (base / "tokenizer.json").read_text()
+    (base / "tokenizer.json").unlink()
+    ppo = ["ppo", "--from", str(base), "--reward", "digits", "--set", f"run.root={tmp_path / 'runs'}"]
+    assert main(ppo) == 2
+    assert f"PPO's prompts and responses go through the run's tokenizer: {base} holds no tokenizer.json" in (
+        capsys.readouterr().err
+    )
+    bigger = tokenizer.train_bpe(iter((ROOT / "README.md").read_text().split("\n\n")), vocab_size=1024)
+    assert bigger.vocab_size > 512 and text != bigger.text  # the model's embeddings: 512
+    (base / "tokenizer.json").write_text(bigger.text)
+    assert main(ppo) == 2
+    assert f"the run's tokenizer ({base}/tokenizer.json) has {bigger.vocab_size} tokens, more than" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "runs").exists()

@@ -164,7 +164,7 @@ def test_a_crafted_tensor_file_is_refused_by_weights_only(tmp_path):
     index.write_bytes(pickle.dumps(metadata))
     with pytest.raises(checkpoint.CheckpointError) as refused:
         whole_state(f"{step_dir}/dcp")
-    assert "UnpicklingError: Weights only load failed" in one_line_naming(refused.value, f"{step_dir}/dcp")
+    assert "what weights_only refuses" in one_line_naming(refused.value, f"{step_dir}/dcp")
     assert not marker.exists()
 
 

@@ -5,6 +5,7 @@ presets out of the wheel). Its dependencies come from the test's own environment
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -15,9 +16,14 @@ from runs import ROOT
 
 
 def test_a_wheel_installed_in_a_fresh_venv_trains_with_no_checkout_on_its_path(tmp_path, data_dir):
-    dist = tmp_path / "dist"
+    source, dist = tmp_path / "source", tmp_path / "dist"
+    listed = ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"]
+    for name in subprocess.run(listed, cwd=ROOT, check=True, capture_output=True, text=True).stdout.split("\0"):
+        if name and (ROOT / name).is_file():  # the checkout as a clone has it: a build leaves nothing in ours
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist)]
-    subprocess.run([*build, str(ROOT)], check=True, cwd=tmp_path, capture_output=True)
+    subprocess.run([*build, str(source)], check=True, cwd=tmp_path, capture_output=True)
     (wheel,) = dist.glob("etrain-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("actors/worker/actor.py", "app/core/models/llama.py", "app/configs/tiny.yaml"):

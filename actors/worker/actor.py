@@ -40,15 +40,16 @@ from app.core.checkpoint import (
     DCP,
     LIGHT,
     deserialize,
-    read_part,
     light_weights,
     model_weights,
+    read_part,
     serialize,
     tensor_hash,
     write_part,
 )
 from app.core.config import Config
 from app.core.flops import peak_flops
+from pipelines import tokenizer
 from pipelines.order import Layout, take
 from pipelines.shards import ShardReader
 from pipelines.stream import StreamingReader
@@ -95,6 +96,7 @@ class TrainWorker:
         self._saving: Future | None = None
         self.peak_flops = peak_flops(self.device, cfg.train.precision)  # what MFU is measured against (None on CPU)
         self.task = rewards.load(cfg.ppo.reward) if cfg.ppo.reward else None  # a PPO run's prompts and scores
+        self.codec = tokenizer.for_run(cfg) if cfg.ppo.reward else None  # ... in the model's tokens
         self.marks["built"] = time.time()
 
     def info(self) -> dict:
@@ -267,7 +269,7 @@ class TrainWorker:
         """This worker's share of a PPO step: rollouts of its prompts, then the updates (rollout.py)."""
         seed = self._begin(step, fault)
         try:
-            report = rollout.ppo_step(self.engine, self.task, indices, beta, lr_scale, scorers, seed)
+            report = rollout.ppo_step(self.engine, self.task, self.codec, indices, beta, lr_scale, scorers, seed)
         except Exception:
             self._abort_group()
             raise
@@ -278,7 +280,7 @@ class TrainWorker:
 
     def ppo_evaluate(self, indices: np.ndarray, scorers: tuple, fault: dict | None = None) -> tuple[float, int]:
         apply(fault, self.injected, self.engine.sync)
-        return rollout.evaluate(self.engine, self.task, indices, scorers)
+        return rollout.evaluate(self.engine, self.task, self.codec, indices, scorers)
 
     @torch.no_grad()
     def evaluate(self, ids: np.ndarray, fault: dict | None = None) -> tuple[float, int]:

@@ -32,7 +32,7 @@ from app.core.ppo import (
     whiten,
 )
 from app.core.rewards import Task
-from pipelines.tokenizer import EOT, decode, encode
+from pipelines.tokenizer import Codec
 
 NO_DATA = {"hits": 0, "misses": 0, "wait_s": 0.0}  # prompts come from the task, not the shard cache
 
@@ -43,33 +43,35 @@ def prompts_for(task: Task, seed: int, indices, stream: str = "train") -> list[s
     return [task.prompt(random.Random(f"{stream}:{seed}:{i}")) for i in indices]
 
 
-def prompt_tokens(prompts: list[str], length: int) -> torch.Tensor:
-    """(B, length) byte tokens: each prompt's last `length` bytes, left-padded with the document separator (what
-    precedes a document in training)."""
-    rows = torch.full((len(prompts), length), EOT, dtype=torch.long)
+def prompt_tokens(prompts: list[str], length: int, codec: Codec) -> torch.Tensor:
+    """(B, length) tokens of the run's tokenizer: each prompt's last `length`, left-padded with the end of document
+    (what precedes a document in training)."""
+    rows = torch.full((len(prompts), length), codec.eos, dtype=torch.long)
     for i, text in enumerate(prompts):
-        tokens = torch.from_numpy(encode(text)[-length:].astype("int64"))
+        tokens = torch.tensor(codec.encode(text)[-length:], dtype=torch.long)
         rows[i, length - len(tokens) :] = tokens
     return rows
 
 
-def response_mask(responses: torch.Tensor) -> torch.Tensor:
-    """1 for each response token up to and including the first separator (which ends it), 0 after."""
-    ended = (responses == EOT).long().cumsum(1)
-    return ((ended == 0) | ((ended == 1) & (responses == EOT))).float()
+def response_mask(responses: torch.Tensor, eos: int) -> torch.Tensor:
+    """1 for each response token up to and including the first end of document (which ends it), 0 after."""
+    ended = (responses == eos).long().cumsum(1)
+    return ((ended == 0) | ((ended == 1) & (responses == eos))).float()
 
 
-def response_texts(responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
-    return [decode(r[: int(m.sum())].tolist()) for r, m in zip(responses, mask)]
+def response_texts(responses: torch.Tensor, mask: torch.Tensor, codec: Codec) -> list[str]:
+    return [codec.decode([t for t in r[: int(m.sum())].tolist() if t != codec.eos]) for r, m in zip(responses, mask)]
 
 
-def ppo_step(engine, task, indices, beta: float, lr_scale: float, scorers: tuple, seed: int) -> StepReport:
+def ppo_step(
+    engine, task, codec: Codec, indices, beta: float, lr_scale: float, scorers: tuple, seed: int
+) -> StepReport:
     cfg, ppo = engine.cfg, engine.cfg.ppo
     started = time.perf_counter()
     engine.model.eval()  # no dropout anywhere: the first update's ratio is 1 (up to the precision's rounding)
     prompts = prompts_for(task, cfg.train.seed, indices)
     generator = torch.Generator(engine.device).manual_seed(seed)
-    sequences, responses, mask, texts = rollouts(engine, prompts, generator)
+    sequences, responses, mask, texts = rollouts(engine, prompts, codec, generator)
     reference, rewarder = scorers
     asked = reference.logprobs.remote(sequences.cpu(), ppo.prompt_len), rewarder.score.remote(prompts, texts)
     with torch.no_grad(), engine.autocast():
@@ -124,20 +126,20 @@ def mean_over_workers(x: torch.Tensor, world: int) -> float:
     return (sums[0] / sums[1]).item()
 
 
-def rollouts(engine, prompts: list[str], generator: torch.Generator):
+def rollouts(engine, prompts: list[str], codec: Codec, generator: torch.Generator):
     """(sequences (B, P + T), responses (B, T), their mask, their texts), sampled by the policy."""
     ppo = engine.cfg.ppo
     with engine.autocast():
         sequences = sample(
             engine.model,
-            prompt_tokens(prompts, ppo.prompt_len).to(engine.device),
+            prompt_tokens(prompts, ppo.prompt_len, codec).to(engine.device),
             ppo.response_len,
             ppo.temperature,
             generator,
         )
     responses = sequences[:, ppo.prompt_len :]
-    mask = response_mask(responses)
-    return sequences, responses, mask, response_texts(responses.cpu(), mask.cpu())
+    mask = response_mask(responses, codec.eos)
+    return sequences, responses, mask, response_texts(responses.cpu(), mask.cpu(), codec)
 
 
 def update(engine, sequences, responses, mask, old_logp, old_values, advantages, returns, lr_scale, generator) -> dict:
@@ -175,13 +177,13 @@ def update(engine, sequences, responses, mask, old_logp, old_values, advantages,
 
 
 @torch.no_grad()
-def evaluate(engine, task, indices, scorers: tuple) -> tuple[float, int]:
+def evaluate(engine, task, codec: Codec, indices, scorers: tuple) -> tuple[float, int]:
     """Sum of the rewards of held-out prompts' responses (sampled at the rollout temperature), and their count."""
     if not len(indices):
         return 0.0, 0
     engine.model.eval()
     prompts = prompts_for(task, engine.cfg.train.seed, indices, stream="eval")
     generator = torch.Generator(engine.device).manual_seed(int(indices[0]))
-    _, _, _, texts = rollouts(engine, prompts, generator)
+    _, _, _, texts = rollouts(engine, prompts, codec, generator)
     scores = wait_for_scores(scorers[1], prompts, texts, engine.cfg)
     return float(sum(scores)), len(scores)

@@ -25,6 +25,7 @@ import logging
 import posixpath
 import re
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,10 +91,21 @@ def deserialize(data: bytes, name: str = "a checkpoint part"):
     import torch
 
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a crafted pickle's protocol: the refusal below says all there is
+            warnings.simplefilter("ignore")
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise CheckpointError(f"{name} is not a file of tensors this version reads: {type(e).__name__}: {first}") from None
+        raise CheckpointError(f"{name} is not a file of tensors etrain reads: {refusal(e)}") from None
+
+
+def refusal(error: BaseException) -> str:
+    """torch.load's refusal in a line: weights_only's own reason (what the pickle asked for) rather than its
+    paragraph of advice, else the error's first line."""
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        said = " ".join(text.split("WeightsUnpickler error:", 1)[1].split())[:200]
+        return f"its pickle asks for what weights_only refuses ({said})"
+    return f"{type(error).__name__}: {(text.strip().splitlines() or [''])[0][:300]}"
 
 
 def read_part(parts: dict[str, bytes], name: str):

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from app.core.checkpoint import DCP, CheckpointError, file_digest
+from app.core.checkpoint import DCP, CheckpointError, file_digest, refusal
 from app.core.storage import STORAGE_ERRORS
 
 METADATA = ".metadata"
@@ -260,10 +260,7 @@ def _load(state: dict, reader) -> None:
         cause = next(iter(e.failures.values()), (e, None))[0]
         if isinstance(cause, (CheckpointError, *STORAGE_ERRORS)):
             raise cause from None
-        first = (str(cause).strip().splitlines() or [""])[0][:300]
-        raise CheckpointError(
-            f"the DCP files under {reader.path} could not be read: {type(cause).__name__}: {first}"
-        ) from None
+        raise CheckpointError(f"the DCP files under {reader.path} could not be read: {refusal(cause)}") from None
 
 
 def _read_metadata(reader, *args, **kwargs):
