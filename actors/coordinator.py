@@ -173,7 +173,7 @@ class Coordinator:
         if outcome.diverged:
             return self._roll_back_nan()
         if outcome.lost:
-            return Lost(outcome.lost, outcome.since)
+            return Lost(outcome.lost, outcome.since, outcome.cause)
         self.health.stepped(self.at.step, self.log.latest["train"].get("speeds"))
         if self.starting is not None:
             self._started()
@@ -245,7 +245,8 @@ class Coordinator:
         if self._sharded():
             return "a worker lost with its ZeRO-1 optimizer shard"
         if not whole_replicas(self.team.workers, self.lost.members, self.team.ranks)[0]:
-            return "every worker lost, or a rank of every replica (no live worker holds the state)"
+            cause = f"; {self.lost.cause}" if self.lost.cause else ""
+            return f"every worker lost, or a rank of every replica (no live worker holds the state{cause})"
         return None
 
     def _roll_back_nan(self) -> Lost | None:

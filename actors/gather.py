@@ -21,11 +21,12 @@ from app.core.errors import Failure, why
 
 class WorkersLost(Exception):
     """Workers died or hung while `what` ran. `lost` are stopped already; `finished[i]` tells whether the
-    i-th ref of the wait had returned (a step whose survivors all finished is complete)."""
+    i-th ref of the wait had returned (a step whose survivors all finished is complete); `cause`: what ended the
+    wait (a worker's error, or the timeout, named)."""
 
-    def __init__(self, what: str, lost: list, finished: list[bool]):
-        super().__init__(f"{len(lost)} worker(s) lost during {what}")
-        self.what, self.lost, self.finished = what, lost, finished
+    def __init__(self, what: str, lost: list, finished: list[bool], cause: str = ""):
+        super().__init__(f"{len(lost)} worker(s) lost during {what}" + (f" ({cause})" if cause else ""))
+        self.what, self.lost, self.finished, self.cause = what, lost, finished, cause
         self.since = time.perf_counter()
 
 
@@ -38,10 +39,12 @@ def gather(
     retire: Callable[[list], None],
     queued: list = (),
     queued_s: float = 0.0,
+    timeout_name: str = "",
 ) -> list:
     """The results of `refs`, in order. `among` are the workers answerable for them (pinged on a failure). `queued`:
     calls made to them after these (a step sent ahead, actors/step.py), which a worker ends before it can answer a
-    ping: on a failure they are waited for, up to `queued_s`, so that a survivor busy in one is not taken for hung."""
+    ping: on a failure they are waited for, up to `queued_s`, so that a survivor busy in one is not taken for hung.
+    `timeout_name`: the config key `timeout` comes from, named when it runs out."""
     results, pending, failed = {}, list(refs), None
     deadline = time.perf_counter() + timeout
     while pending and failed is None and time.perf_counter() < deadline:
@@ -57,7 +60,8 @@ def gather(
                 failed = failed or e
     if failed is None and not pending:
         return [results[r] for r in refs]
-    cause = getattr(failed, "cause", failed) if failed is not None else f"no answer within {timeout:.0f} s"
+    named = f"{timeout_name}=" if timeout_name else ""
+    cause = getattr(failed, "cause", failed) if failed is not None else f"no answer within {named}{timeout:g} s"
     details = "\n".join(filter(None, [str(failed) if failed is not None else None, getattr(cause, "details", None)]))
     if isinstance(cause, Failure):  # named by the work itself (a reward that fails): its peers may be waiting in a
         # collective for it and miss the ping; none of them is lost, and no replacement would do better
@@ -65,7 +69,8 @@ def gather(
     if queued:
         ray.wait(list(queued), num_returns=len(queued), timeout=queued_s)
     lost = find_lost(among, what, cause, ping_s, retire, details or None)
-    raise WorkersLost(what, lost, [r in results for r in refs])
+    said = why(cause) if isinstance(cause, BaseException) else str(cause)
+    raise WorkersLost(what, lost, [r in results for r in refs], said)
 
 
 def find_lost(

@@ -42,6 +42,7 @@ class Lost:
 
     members: list
     since: float
+    cause: str = ""  # what ended the wait that found them lost (actors/gather.py)
 
 
 @dataclass(frozen=True)
@@ -108,9 +109,11 @@ class Team:
 
     def gather(self, refs: list, among: list, what: str, timeout: float | None = None, queued: list = ()) -> list:
         """actors/gather.py's wait, with this run's ping timeout and the stop that releases cache pins; `queued`:
-        calls made after these, waited for (up to timeouts.collective_s) before a failure's pings."""
+        calls made after these, waited for (up to timeouts.collective_s) before a failure's pings. No `timeout`:
+        timeouts.step_s, named so when it runs out."""
         t = self.cfg.timeouts
-        return gather(refs, among, what, timeout or t.step_s, t.ping_s, self.retire, queued, t.collective_s)
+        name = "timeouts.step_s" if timeout is None else ""
+        return gather(refs, among, what, timeout or t.step_s, t.ping_s, self.retire, queued, t.collective_s, name)
 
     def retire(self, workers: list) -> None:
         """Stop workers for good, and release the shard-cache pins they held (a killed reader cannot)."""

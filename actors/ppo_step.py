@@ -34,9 +34,9 @@ class PPOStepper(Stepper):
             for rank, (w, ids) in enumerate(zip(workers, shares))
         ]
         try:
-            reports: list[StepReport] = self.team.gather(refs, workers, f"step {n}", self.cfg.timeouts.step_s)
+            reports: list[StepReport] = self.team.gather(refs, workers, f"step {n}")
         except WorkersLost as gone:  # the recovery goes back to the last checkpoint (the coordinator's _recover)
-            return Outcome(lost=gone.lost, since=started)
+            return Outcome(lost=gone.lost, since=started, cause=f"step {n}: {gone.cause}")
         if not all(r.finite for r in reports):
             return Outcome(diverged=True)
         means = {k: sum(r.ppo[k] for r in reports) / count for k in MEANS}

@@ -45,6 +45,7 @@ class Outcome:
     lost: list = field(default_factory=list)  # members lost: a recovery comes next
     since: float = 0.0  # when the failed step was dispatched (a recovery's "detect" starts there)
     diverged: bool = False  # a non-finite gradient: a rollback comes next
+    cause: str = ""  # why members were lost (actors/gather.py's WorkersLost)
 
 
 @dataclass
@@ -85,15 +86,13 @@ class Stepper:
             self.ahead = self.send(n + 1, at.cursor + sent.batch, workers, ahead=True)
         try:
             queued = self.ahead.refs if self.ahead is not None else ()
-            reports: list[StepReport] = self.team.gather(
-                sent.refs, workers, f"step {n}", self.cfg.timeouts.step_s, queued
-            )
+            reports: list[StepReport] = self.team.gather(sent.refs, workers, f"step {n}", queued=queued)
         except WorkersLost as gone:
             self.drop_ahead()
             survivors = [done for w, done in zip(sent.workers, gone.finished) if w not in gone.lost]
             if survivors and all(survivors):  # their all-reduce had every share in it
                 self.commit(at, sent.batch, None, 0.0)
-            return Outcome(lost=gone.lost, since=sent.started)
+            return Outcome(lost=gone.lost, since=sent.started, cause=f"step {n}: {gone.cause}")
         returned = time.perf_counter()
         if self.ahead is not None:
             self.ahead.started = returned

@@ -13,9 +13,9 @@ from actors.control import due
 from actors.faults import FaultPlan
 from actors.outer_steps import OuterSteps
 from actors.step import Position
-from actors.worker.link import Link, seconds
-from app.core.comm_model import advise, wire_bytes
-from app.core.config import load_config
+from actors.worker.link import Link
+from app.core.comm_model import advise, seconds, wire_bytes
+from app.core.config import ConfigError, load_config
 from pipelines import order
 
 
@@ -134,3 +134,31 @@ def test_outer_rewinds_read_every_sample_once(rng):
     read = np.concatenate([ids for step in committed for ids in step])
     assert len(read) == at.cursor == 16 * cfg.train.steps
     assert np.array_equal(read, order.take(layout, 0, len(read)))
+
+
+@pytest.mark.parametrize(
+    "overrides, refused",
+    [
+        (["faults=[{rank: 0, step: 2, kind: link, gbps: 0.00001}]"], True),  # ~23 min a step's all-reduce, step_s 3 min
+        (
+            ["faults=[{rank: 0, step: 2, kind: link, gbps: 0.00001}]", "comm.compression=bf16"]
+            + ["timeouts.step_s=600", "timeouts.join_s=900"],  # bf16: half the bytes, ~11 min
+            True,
+        ),
+        (
+            ["faults=[{rank: 0, step: 2, kind: link, gbps: 0.00001}]", "timeouts.step_s=3000", "timeouts.join_s=3600"],
+            False,
+        ),
+        (["faults=[{rank: 0, step: 2, kind: link, gbps: 1, latency_ms: 50000}]"], True),  # 2 buckets x 2 hops x 50 s
+        (["faults=[{rank: 0, step: 2, kind: link, gbps: 0.01}]"], False),
+    ],
+)
+def test_a_link_whose_modelled_step_outlasts_the_step_timeout_is_refused_naming_both(overrides, refused):
+    """Issue 41, defect 6: such a link hung each step to timeouts.step_s, then ended the run as if every worker
+    were lost. The ring model's time for a step's dense gradients at the run's largest world is held to the step
+    timeout before anything starts."""
+    if not refused:
+        load_config("tiny", overrides)
+        return
+    with pytest.raises(ConfigError, match=r"a link of .* makes a step's gradient all-reduce .* timeouts\.step_s="):
+        load_config("tiny", overrides)

@@ -149,6 +149,7 @@ def test_a_frozen_coordinator_fails_the_driver_after_the_join_timeout(make_cfg):
         "run.name=frozen",
         "train.steps=2000",
         "timeouts.collective_s=2",
+        "timeouts.collective_s=2",
         "timeouts.step_s=4",
         "timeouts.join_s=15",  # the workers' start on a loaded machine fits in it
     )
@@ -283,3 +284,21 @@ def test_a_model_too_big_is_refused_and_a_worker_that_cannot_start_says_why(make
     finally:
         ray.kill(coordinator)
         lease.release(held)
+
+
+@ray_test
+def test_a_step_that_outlasts_its_timeout_names_the_timeout(make_cfg):
+    """Issue 41, defect 6: every worker silent in a step (hung: a stalled link, a frozen process) ended the run as
+    "every worker lost ... set checkpoint.every lower", naming neither the step nor the timeout that ran out."""
+    cfg = make_cfg(
+        *FAST,
+        "run.name=silent",
+        "cluster.warm_pool=0",
+        "train.steps=8",
+        "checkpoint.every=0",
+        "timeouts.collective_s=2",
+        "timeouts.step_s=4",
+        "faults=[{rank: 0, step: 3, kind: hang}, {rank: 1, step: 3, kind: hang}]",
+    )
+    with pytest.raises(JobError, match=r"step 3: no answer within timeouts\.step_s=4 s\) needs a checkpoint"):
+        train(cfg, new_run_dir(cfg), progress=False)

@@ -21,12 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from app.core.comm_model import hops, wire_bytes
-
-
-def seconds(nbytes: int, world: int, gbps: float, latency_ms: float, collective: str = "allreduce") -> float:
-    """The modelled time of one ring collective of `nbytes` per rank among `world` ranks."""
-    return hops(world, collective) * latency_ms / 1e3 + wire_bytes(nbytes, world, collective) * 8 / (gbps * 1e9)
+from app.core.comm_model import seconds
 
 
 class Link:

@@ -16,6 +16,7 @@ benchmarks measure (bench/results/comm.json, lowband.json).
 
 from __future__ import annotations
 
+import math
 from statistics import mean
 
 BOUND_AT = 0.25  # communication's share of a step above which the run is called communication-bound
@@ -37,6 +38,20 @@ def hops(world: int, collective: str = "allreduce") -> int:
     if world < 2:
         return 0
     return 2 * (world - 1) if collective == "allreduce" else world - 1
+
+
+def seconds(nbytes: float, world: int, gbps: float, latency_ms: float, collective: str = "allreduce") -> float:
+    """The modelled time of one ring collective of `nbytes` per rank among `world` ranks on a link of `gbps` Gbit/s
+    and `latency_ms` a hop (a `link` fault's: actors/worker/link.py makes collectives take it)."""
+    return hops(world, collective) * latency_ms / 1e3 + wire_bytes(nbytes, world, collective) * 8 / (gbps * 1e9)
+
+
+def gradient_sync_s(grad_bytes: float, bucket_mb: float, world: int, gbps: float, latency_ms: float) -> float:
+    """A dense step's gradient all-reduce on such a link, DDP's way: a first bucket of 1 MB, then buckets of
+    `bucket_mb`, each its own collective (each pays the ring's latency), all through the one link."""
+    first, rest = min(grad_bytes, 2**20), max(0.0, grad_bytes - 2**20)
+    buckets = 1 + math.ceil(rest / (bucket_mb * 2**20))
+    return buckets * hops(world) * latency_ms / 1e3 + seconds(first + rest, world, gbps, 0.0)
 
 
 def advise(train: list[dict], topk_ratio: float = 0.1, inner_steps: int = 16, gathered: bool = False) -> dict | None:

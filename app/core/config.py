@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from app.core.comm_model import gradient_sync_s
 from app.core.errors import UsageError
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "configs"  # package data: a wheel ships them
@@ -837,6 +838,8 @@ class Config(Section):
                 "a link fault models the gradient all-reduce of data parallelism and DiLoCo; comm.mode=ps, "
                 "parallel layouts and PPO (ppo.reward) send theirs another way: leave the link fault out"
             )
+        for fault in (f for f in self.faults if f.kind == "link"):
+            self._check_link(fault)
         if self.comm.zero and self.checkpoint.every == 0:
             raise ValueError(
                 "comm.zero needs checkpoint.every > 0: a lost worker takes its optimizer shard along, and the job goes "
@@ -868,6 +871,22 @@ class Config(Section):
                 f"cluster.num_workers={self.cluster.num_workers} (it is the per-worker batch times the workers)"
             )
         return self
+
+    def _check_link(self, fault: Fault) -> None:
+        """A link so slow that a step's gradient all-reduce alone outlasts timeouts.step_s: every step would time
+        out and the run end as if every worker were lost. Dense gradients at the largest world (fp16/bf16 halve
+        them; top-k and PowerSGD send dense ones first), DDP's buckets each paying the ring's latency."""
+        world = max(self.cluster.num_workers, self.cluster.max_workers or 0)
+        trained = self.lora_params() if self.finetune.lora_on else self.model.param_count()
+        grad_bytes = trained * (2 if self.comm.compression in ("fp16", "bf16") else 4)
+        sync = gradient_sync_s(grad_bytes, self.comm.bucket_mb, world, fault.gbps, fault.latency_ms)
+        if sync >= self.timeouts.step_s:
+            raise ValueError(
+                f"faults: a link of {fault.gbps:g} Gbit/s and {fault.latency_ms:g} ms a hop makes a step's gradient "
+                f"all-reduce ({grad_bytes / 2**20:,.1f} MiB among {world} workers) take about {sync:,.1f} s by the "
+                f"ring model, at least timeouts.step_s={self.timeouts.step_s:g}: every step would time out. Raise "
+                f"timeouts.step_s above {2 * sync + 1:,.0f} (timeouts.join_s above that), or simulate a faster link"
+            )
 
     def _check_diloco(self) -> None:
         refused = {
