@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -477,8 +478,11 @@ def cmd_generate(args, started_at: float) -> int:
     from app.core.config import ConfigError
     from app.generate import generate, load
 
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:
-        raise ConfigError("--temperature must be >= 0, --top-p in (0, 1], --max-new-tokens >= 1")
+    if not 0 <= args.temperature < math.inf or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:  # nan: False
+        raise ConfigError(
+            f"--temperature must be a finite number >= 0 (got {args.temperature:g}), --top-p in (0, 1] (got "
+            f"{args.top_p:g}), --max-new-tokens >= 1 (got {args.max_new_tokens})"
+        )
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     loaded = load(args.source, device)
     print(f"model: {loaded.source}", file=sys.stderr)

@@ -29,12 +29,26 @@ def load(source: str, device: torch.device) -> Loaded:
     checkpoint (the tokenizer of the data it trained on: bytes, or the file kept with its shards)."""
     if hf.is_model_dir(source):
         model = make_model(hf.read_config(source))
+        weights = hf.Weights(source)
+        hf.check_against(weights, {name: t.shape for name, t in model.state_dict().items()}, source)
         model.load_state_dict(hf.read_weights(source))
+        _finite(model, lambda name: "{} in {}".format(*reversed(weights.where(name))))
         return Loaded(model.to(device).eval(), _codec(lambda: tokenizer.file_codec(source)), source)
     cfg, ckpt = _run_checkpoint(source)
     model = build_model(cfg)
     load_trained_state(model, checkpoint.model_weights(ckpt.parts))
+    _finite(model, lambda name: f"{name} of {ckpt.path}")
     return Loaded(model.to(device).eval(), _codec(lambda: tokenizer.for_run(cfg)), ckpt.path)
+
+
+def _finite(model: LanguageModel, named: Callable[[str], str]) -> None:
+    """Weights holding NaN or an infinity sample nothing but their argmax's ties: refused, the tensor named."""
+    for name, t in model.state_dict().items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ConfigError(
+                f"tensor {named(name)} holds NaN or infinite values: this model cannot generate (its file is damaged, "
+                "or the weights diverged before they were saved)"
+            )
 
 
 def _codec(read: Callable[[], tokenizer.Codec]) -> tokenizer.Codec:

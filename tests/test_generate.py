@@ -4,11 +4,16 @@ position kind (drawn from a printed seed); a Hugging Face Llama generates what `
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from app.cli import main
+from app.core import hf
 from app.core.config import ConfigError, ModelConfig
 from app.core.model import make_model
 from app.generate import _draw, generate
@@ -76,3 +81,95 @@ def test_a_hugging_face_llama_generates_what_transformers_generates(rng, tmp_pat
     assert main(["generate", str(tmp_path), "--prompt", "the cat sat", "--max-new-tokens", "24"]) == 0
     # The text as printed: a decoded tail that ends in whitespace keeps it.
     assert capsys.readouterr().out == "the cat sat" + tok.decode(want) + "\n"
+
+
+LLAMA = ModelConfig(family="llama", n_layer=2, n_head=4, n_kv_head=2, d_model=32, seq_len=32, vocab_size=300)
+
+
+def hf_dir(tmp_path) -> Path:
+    """A tiny Llama as a Hugging Face directory (one shard and its index), with a tokenizer."""
+    torch.manual_seed(0)
+    out = tmp_path / "llama"
+    hf.write(make_model(LLAMA).state_dict(), LLAMA, out)
+    tok = tokenizer.train_bpe(iter(["the cat sat on the mat. " * 4] * 8), LLAMA.vocab_size)
+    (out / tokenizer.FILE).write_text(tok.text)
+    return out
+
+
+SHARD = "model-00001-of-00001.safetensors"
+
+
+def _garble_header(d: Path) -> str:
+    data = (d / SHARD).read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    (d / SHARD).write_bytes(data[:8] + b"{" + b" " * (n - 1) + data[8 + n :])
+    return f"{d / SHARD} is not a safetensors file: its header is not JSON"
+
+
+def _bad_entry(d: Path) -> str:
+    data = (d / SHARD).read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    head = json.loads(data[8 : 8 + n])
+    head["model.norm.weight"]["shape"] = "32"
+    body = json.dumps(head).encode()  # offsets count from the header's end: they hold at its new length
+    (d / SHARD).write_bytes(len(body).to_bytes(8, "little") + body + data[8 + n :])
+    return "tensor model.norm.weight's header entry is not a dtype, shape and byte range"
+
+
+def _index_not_json(d: Path) -> str:
+    (d / hf.INDEX).write_text("{not json")
+    return f"{d / hf.INDEX} is not JSON"
+
+
+def _index_outside(d: Path) -> str:
+    index = json.loads((d / hf.INDEX).read_text())
+    index["weight_map"]["lm_head.weight"] = "../../elsewhere.safetensors"
+    (d / hf.INDEX).write_text(json.dumps(index))
+    return "tensor lm_head.weight is in '../../elsewhere.safetensors', not a .safetensors file beside the index"
+
+
+def _missing_tensor(d: Path) -> str:
+    index = json.loads((d / hf.INDEX).read_text())
+    del index["weight_map"]["model.layers.1.mlp.down_proj.weight"]
+    (d / hf.INDEX).write_text(json.dumps(index))
+    return "holds no tensor model.layers.1.mlp.down_proj.weight, which its config.json's model needs"
+
+
+def _wrong_shape(d: Path) -> str:
+    config = json.loads((d / "config.json").read_text())
+    config["intermediate_size"] = 48
+    (d / "config.json").write_text(json.dumps(config))
+    needs = "its config.json's model needs (48, 32)"
+    return f"{d / SHARD}: tensor model.layers.0.mlp.gate_proj.weight has shape (128, 32), {needs}"
+
+
+def _nan_weights(d: Path) -> str:
+    state = {hf.our_name(k): v for k, v in load_file(d / SHARD).items()}
+    state["blocks.1.attn.q.weight"][3, 4] = float("nan")
+    hf.write(state, LLAMA, d)
+    return f"tensor model.layers.1.self_attn.q_proj.weight in {d / SHARD} holds NaN or infinite values"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_garble_header, _bad_entry, _index_not_json, _index_outside, _missing_tensor, _wrong_shape, _nan_weights],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_a_damaged_model_directory_is_refused_in_one_line_naming_the_file_and_tensor(tmp_path, capsys, damage):
+    """Issue 41, defect 7: a garbled header raised a bare JSONDecodeError naming no file; a missing or mis-shaped
+    tensor was named by our internal names; NaN weights generated nothing, silently."""
+    d = hf_dir(tmp_path)
+    said = damage(d)
+    assert main(["generate", str(d), "--prompt", "the cat", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    "option, value", [("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "-1"), ("--top-p", "nan")]
+)
+def test_a_sampling_option_that_is_not_a_finite_number_in_range_is_refused(tmp_path, capsys, option, value):
+    """Issue 41, defect 7: `--temperature nan` raised a raw RuntimeError mid-sampling and `inf` was taken."""
+    d = hf_dir(tmp_path)
+    assert main(["generate", str(d), "--prompt", "the cat", option, value]) == 2
+    assert "--temperature must be a finite number >= 0" in capsys.readouterr().err

@@ -287,6 +287,10 @@ def test_a_scripted_drill_replays_its_readings_on_the_node_of_its_rank_labelled_
         ('{"step": 5, "rank": 1.0}', re.escape("`rank` must be one of this run's ranks 0-3, got 1.0")),
         ('{"step": 5, "rank": 1, "temperature_c": "91"}', "`temperature_c` input should be a valid number"),
         ('{"step": 5, "rank": 1, "ecc_dbe": true}', "`ecc_dbe` input should be a valid integer"),
+        # issue 41, defect 7: NaN and infinities were taken as temperatures
+        ('{"step": 5, "rank": 1, "temperature_c": NaN}', "line 1: NaN is not a reading: every value must be finite"),
+        ('{"step": 5, "rank": 1, "temperature_c": Infinity}', "line 1: Infinity is not a reading"),
+        ('{"step": 5, "rank": 1, "power_w": -Infinity}', "line 1: -Infinity is not a reading"),
     ],
 )
 def test_a_bad_drill_script_is_refused_naming_the_line_and_what_is_wrong(tmp_path, text, named):

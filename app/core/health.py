@@ -69,9 +69,11 @@ def read_script(path: str, ranks: int | None = None) -> dict[int, list[dict]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(line, parse_constant=_not_a_number)
         except json.JSONDecodeError as e:
             raise ConfigError(f"health.script {path}, line {n}: not JSON ({e.msg})") from None
+        except ValueError as e:
+            raise ConfigError(f"health.script {path}, line {n}: {e}") from None
         keys = set(row) if isinstance(row, dict) else set()
         if not {"step", "rank"} <= keys or keys - READING_FIELDS - {"step", "rank"}:
             raise ConfigError(
@@ -81,6 +83,11 @@ def read_script(path: str, ranks: int | None = None) -> dict[int, list[dict]]:
         _check_row(row, ranks, f"health.script {path}, line {n}")
         rows.setdefault(row["step"], []).append(row)
     return rows
+
+
+def _not_a_number(name: str):
+    """json.loads takes NaN and Infinity; a reading of a sensor never is one, and a risk model fed one says nothing."""
+    raise ValueError(f"{name} is not a reading: every value must be finite")
 
 
 def _check_row(row: dict, ranks: int | None, where: str) -> None:

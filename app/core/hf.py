@@ -138,8 +138,18 @@ class SafetensorsFile:
         length = int.from_bytes(fs.cat_file(path, start=0, end=8), "little")  # ranged reads: never the whole file
         if not 0 < length <= size - 8:
             raise ConfigError(f"{path} is not a safetensors file (its header's length says {length} bytes)")
-        header = json.loads(fs.cat_file(path, start=8, end=8 + length))
+        try:
+            header = json.loads(fs.cat_file(path, start=8, end=8 + length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not a safetensors file: its header is not JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise ConfigError(f"{path} is not a safetensors file: its header is not an object of tensors")
         header.pop("__metadata__", None)
+        for name, entry in header.items():
+            if not _entry(entry):
+                raise ConfigError(
+                    f"{path}: tensor {name}'s header entry is not a dtype, shape and byte range: {entry!r}"
+                )
         self.start, self.size, self.entries = 8 + length, size, header
         self.read_bytes = 0  # of tensors, since opened
 
@@ -179,11 +189,21 @@ class SafetensorsFile:
         return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
+def _entry(entry) -> bool:
+    """A header entry as safetensors writes it: a dtype name, a shape of counts, and two byte offsets in order."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+        return False
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    counts = isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+    span = isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
+    return counts and span and 0 <= offsets[0] <= offsets[1]
+
+
 def files(directory: str | Path) -> dict[str, SafetensorsFile]:
     """Each tensor's file: from the index of a sharded directory, or the one model.safetensors."""
     fs, root = fsspec.core.url_to_fs(str(directory))
     if fs.isfile(posixpath.join(root, INDEX)):
-        index = json.loads(fs.cat_file(posixpath.join(root, INDEX)))["weight_map"]
+        index = _index(fs, posixpath.join(root, INDEX))
         opened = {file: SafetensorsFile(fs, posixpath.join(root, file)) for file in set(index.values())}
         return {name: opened[file] for name, file in index.items()}
     single = posixpath.join(root, "model.safetensors")
@@ -191,6 +211,35 @@ def files(directory: str | Path) -> dict[str, SafetensorsFile]:
         raise ConfigError(f"{directory} holds no model.safetensors and no {INDEX}")
     opened = SafetensorsFile(fs, single)
     return dict.fromkeys(opened.keys(), opened)
+
+
+def _index(fs, path: str) -> dict[str, str]:
+    """An index's weight map (tensor -> its file beside the index); ConfigError naming the index otherwise."""
+    try:
+        index = json.loads(fs.cat_file(path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not JSON ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConfigError(f"{path} has no weight_map of tensors to their files")
+    for name, file in weight_map.items():
+        if not (isinstance(file, str) and re.fullmatch(r"[\w.-]+\.safetensors", file)):
+            raise ConfigError(f"{path}: tensor {name} is in {file!r}, not a .safetensors file beside the index")
+    return weight_map
+
+
+def check_against(weights: Weights, shapes: dict[str, torch.Size], directory: str) -> None:
+    """The directory holds every tensor the model needs, each of its shape: else ConfigError naming the tensor by
+    the file's name and the file (not our internal name)."""
+    held = weights.shapes()
+    for name, shape in shapes.items():
+        if name not in held:
+            raise ConfigError(f"{directory} holds no tensor {their_name(name)}, which its config.json's model needs")
+        if held[name] != shape:
+            file, theirs = weights.where(name)
+            raise ConfigError(
+                f"{file}: tensor {theirs} has shape {tuple(held[name])}, its config.json's model needs {tuple(shape)}"
+            )
 
 
 def is_model_dir(source: str) -> bool:
@@ -226,6 +275,11 @@ class Weights(Mapping):
 
     def read_bytes(self) -> int:
         return sum(file.read_bytes for file in {id(f): f for f, _ in self._files.values()}.values())
+
+    def where(self, name: str) -> tuple[str, str]:
+        """The file and the name in it of our tensor `name`."""
+        file, theirs = self._files[name]
+        return file.path, theirs
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
