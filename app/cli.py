@@ -365,7 +365,7 @@ def cmd_cluster(args, started_at: float) -> int:
     from app import local_cluster
 
     if args.action == "up":
-        cluster = local_cluster.up(args.cpus, fake=not args.no_autoscaler)
+        cluster = local_cluster.up(args.cpus, fake=not args.no_autoscaler, reachable=args.reachable)
         print(local_cluster.exports(cluster))
         print(
             f"Ray head at {cluster.address} (dashboard {cluster.dashboard}); its clients need the variables above: "
@@ -754,6 +754,12 @@ def _parser() -> argparse.ArgumentParser:
         "--cpus", type=int, default=1, help="CPUs of the head (the autoscaler adds 2-CPU nodes: app/local_cluster.yaml)"
     )
     p.add_argument("--no-autoscaler", action="store_true", help="a plain head, without the fake multi-node autoscaler")
+    p.add_argument(
+        "--reachable",
+        action="store_true",
+        help="listen on this machine's network address too (default: 127.0.0.1 alone); its Prometheus metrics "
+        "endpoints take no token",
+    )
 
     p = command(
         "spot-watch",

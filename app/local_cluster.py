@@ -33,6 +33,10 @@ from app.core.ports import free_port
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_PROVIDER = Path(__file__).resolve().parent / "local_cluster.yaml"  # the fake multi-node autoscaler's config
 STATE = Path.home() / ".cache" / "etrain" / "cluster.json"  # the head `etrain cluster up` started
+# Ray's switch for a cluster on one machine (its default on macOS and Windows): every node's address is 127.0.0.1, so
+# what binds to its node's address or to all (the GCS, the raylets, and the autoscaler's, the dashboard's and each
+# node's Prometheus metrics, which take no token) listens on loopback alone
+LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 @dataclass
@@ -45,12 +49,14 @@ class LocalCluster:
     head_cpus: int = 1
     fake: bool = True  # the autoscaler on the fake multi-node provider (local_cluster.yaml)
     pid: int = 0  # of `ray start --block`, leader of the head's process group
+    reachable: bool = False  # listens on this machine's network address too, not on 127.0.0.1 alone
 
     @classmethod
-    def new(cls, workdir: Path, head_cpus: int = 1, fake: bool = True) -> LocalCluster:
+    def new(cls, workdir: Path, head_cpus: int = 1, fake: bool = True, reachable: bool = False) -> LocalCluster:
         workdir.mkdir(parents=True, exist_ok=True)
         temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-        return cls(str(workdir), temp, free_port(), free_port(), secrets.token_hex(32), head_cpus, fake)
+        ports = free_port(), free_port()
+        return cls(str(workdir), temp, *ports, secrets.token_hex(32), head_cpus, fake, reachable=reachable)
 
     @property
     def address(self) -> str:
@@ -67,13 +73,14 @@ class LocalCluster:
     def env(self) -> dict[str, str]:
         """What a client of this cluster needs: `ray job submit`, `etrain status`, a driver. The token by its file
         (readable by its owner alone), never by value: these lines are printed, and terminals, CI logs and shared
-        screens keep what is printed."""
+        screens keep what is printed. On loopback alone, Ray's switch for a one-machine cluster too: without it a
+        client rewrites 127.0.0.1 into the machine's network address, where nothing of this cluster listens."""
         return {
             "RAY_ADDRESS": self.address,
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": str(self.token_path),
             "RAY_API_SERVER_ADDRESS": self.dashboard,
-        }
+        } | ({} if self.reachable else LOOPBACK)
 
     def start(self, timeout: float = 60) -> None:
         workdir = Path(self.workdir)
@@ -86,7 +93,11 @@ class LocalCluster:
             "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": self.token,
+            # the autoscaler's and the dashboard's Prometheus endpoints: ports of their own, not Ray's fixed ones
+            "AUTOSCALER_METRIC_PORT": str(free_port()),
+            "DASHBOARD_METRIC_PORT": str(free_port()),
         }
+        env |= {} if self.reachable else LOOPBACK
         cmd = [
             str(bin_dir / "ray"),
             "start",
@@ -97,7 +108,7 @@ class LocalCluster:
             f"--temp-dir={self.temp_dir}",
         ]
         cmd += [
-            "--dashboard-host=127.0.0.1",
+            f"--dashboard-host={'0.0.0.0' if self.reachable else '127.0.0.1'}",
             f"--dashboard-port={self.dashboard_port}",
             f"--ray-client-server-port={free_port()}",
         ]
@@ -193,15 +204,15 @@ def exports(cluster: LocalCluster) -> str:
     return "export " + " ".join(f"{k}={v}" for k, v in cluster.env().items())
 
 
-def up(head_cpus: int, fake: bool) -> LocalCluster:
-    """`etrain cluster up`: start a head and remember it (one at a time)."""
+def up(head_cpus: int, fake: bool, reachable: bool = False) -> LocalCluster:
+    """`etrain cluster up`: start a head and remember it (one at a time); on 127.0.0.1 alone unless `reachable`."""
     if STATE.is_file():
         running = LocalCluster(**json.loads(STATE.read_text()))
         if running.processes():
             raise UsageError(
                 f"a cluster started by `etrain cluster up` is running at {running.address}; `etrain cluster down` first"
             )
-    cluster = LocalCluster.new(STATE.parent / "cluster", head_cpus, fake)
+    cluster = LocalCluster.new(STATE.parent / "cluster", head_cpus, fake, reachable)
     cluster.start()
     STATE.write_text(json.dumps(asdict(cluster)))
     STATE.chmod(0o600)  # it holds the token

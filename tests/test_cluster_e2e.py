@@ -184,14 +184,33 @@ def test_preemption_notice_moves_workers_off_the_node(cluster, data_dir, tmp_pat
     assert [r["step"] for r in steps] == list(range(1, 201))
 
 
+def listening(cluster) -> dict[str, list[str]]:
+    """Each of the cluster's processes (by its command's head) -> the addresses it listens on."""
+    import psutil
+
+    found: dict[str, list[str]] = {}
+    for p in cluster.processes():
+        try:
+            sockets = p.net_connections(kind="inet")
+            name = " ".join(p.cmdline())[:400]
+        except psutil.Error:
+            continue
+        found.setdefault(name, []).extend(
+            f"{c.laddr.ip}:{c.laddr.port}" for c in sockets if c.status == psutil.CONN_LISTEN
+        )
+    return found
+
+
 def test_cluster_up_env_and_down_start_and_stop_exactly_one_head(tmp_path, monkeypatch, capsys):
     """`etrain cluster up/env/down` (make cluster-up/-down): a head of its own, the variables its clients
-    need, and a stop that leaves none of its processes (and touches no other Ray)."""
+    need, and a stop that leaves none of its processes (and touches no other Ray). Issue 41, defect 8: every
+    endpoint of it listens on 127.0.0.1 alone (the autoscaler's and the dashboard's Prometheus metrics, which take
+    no token, were on 0.0.0.0 at Ray's fixed ports 44217 and 44227)."""
     from app import local_cluster
     from app.cli import main
 
     monkeypatch.setattr(local_cluster, "STATE", tmp_path / "cluster.json")
-    assert main(["cluster", "up", "--no-autoscaler"]) == 0
+    assert main(["cluster", "up"]) == 0
     printed = capsys.readouterr()
     exports = printed.out
     cluster = local_cluster.current()
@@ -200,6 +219,15 @@ def test_cluster_up_env_and_down_start_and_stop_exactly_one_head(tmp_path, monke
     assert cluster.token not in exports + printed.err
     assert cluster.token_path.read_text() == cluster.token and oct(cluster.token_path.stat().st_mode)[-3:] == "600"
     assert cluster.processes() and oct((tmp_path / "cluster.json").stat().st_mode)[-3:] == "600"
+    deadline = time.monotonic() + 60  # the autoscaler's monitor and the dashboard's agent start after the head
+    while not all(any(m in n and a for n, a in listening(cluster).items()) for m in ("monitor.py", "DashboardAgent")):
+        assert time.monotonic() < deadline, listening(cluster)
+        time.sleep(0.5)
+    addresses = [a for found in listening(cluster).values() for a in found]
+    assert addresses and all(a.startswith(("127.0.0.1:", "::1:", "::ffff:127.0.0.1:")) for a in addresses), listening(
+        cluster
+    )
+    assert not {a.rsplit(":", 1)[1] for a in addresses} & {"44217", "44227"}
     assert main(["cluster", "up"]) == 2  # one at a time
     assert "is running at" in capsys.readouterr().err
     assert main(["cluster", "env"]) == 0 and capsys.readouterr().out == exports
