@@ -203,11 +203,17 @@ def cmd_prepare(args, started_at: float) -> int:
     print(
         f"manifest: {out}/manifest.json\nreport: {out}/report.json\nquarantine: {out}/quarantine.jsonl", file=sys.stderr
     )
-    print(
-        f"train on it: etrain train --config {args.config or 'tiny'} --set data.source={out}/manifest.json",
-        file=sys.stderr,
-    )
+    print(f"train on it: {_train_command(args.config or 'tiny', cfg, out, report)}", file=sys.stderr)
     return 0
+
+
+def _train_command(config: str, cfg, out: str, report: dict) -> str:
+    """`etrain train` on a prepared corpus, with the keys its data needs: the sequence length it was packed at, and
+    a vocabulary as large as its tokenizer's when the config's is smaller."""
+    vocab = report["vocab_size"]
+    keys = [f"data.source={out}/manifest.json", f"model.seq_len={cfg.model.seq_len}"]
+    keys += [f"model.vocab_size={vocab}"] * (vocab > cfg.model.vocab_size)
+    return f"etrain train --config {config} " + " ".join(f"--set {k}" for k in keys)
 
 
 def _parse_option(item: str) -> tuple[str, str]:

@@ -100,18 +100,40 @@ def prepare(
         tok = _tokenizer(cfg.prepare.tokenizer, final)
         staging = _staging(out, fs, root)
         spec = (tok.text, tok.eos_name) if tok else None
-        packed = (
-            final.map(partial(assign, cfg=cfg))
-            .groupby("group", num_partitions=parts)
-            .map_groups(
-                partial(pack, out=staging, cfg=cfg, storage=storage, file_tokenizer=spec), batch_format="pandas"
+
+        def pack_all(held: frozenset[int]) -> list[dict]:
+            return (
+                final.map(partial(assign, cfg=cfg, held=held))
+                .groupby("group", num_partitions=parts)
+                .map_groups(
+                    partial(pack, out=staging, cfg=cfg, storage=storage, file_tokenizer=spec), batch_format="pandas"
+                )
+                .take_all()
             )
-            .take_all()
-        )
+
+        packed = pack_all(frozenset())
+        if not _samples(packed, "eval") and _samples(packed, "train"):  # a small corpus: hold out more, pack again
+            sfs, sroot = fsspec.core.url_to_fs(staging, **storage)
+            sfs.rm(sroot, recursive=True)
+            packed = pack_all(held_out(final, cfg, packed))
         next_stage(4, shards=sum(len(json.loads(r["entries"])) for r in packed))
-        report = _finish(
-            out, staging, fs, root, cfg, packed, rejected, read=docs.count() + len(missing), storage=storage, tok=tok
-        )
+        try:
+            report = _finish(
+                out,
+                staging,
+                fs,
+                root,
+                cfg,
+                packed,
+                rejected,
+                read=docs.count() + len(missing),
+                storage=storage,
+                tok=tok,
+            )
+        except ConfigError:  # nothing written for the user: no staging directory left behind either
+            if staging != out:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
         stages.update()
     return report
 
@@ -308,17 +330,46 @@ def _near_duplicates(unique, cfg: PrepareConfig, parts: int) -> dict[int, int]:
 # -- packing and writing --------------------------------------------------------
 
 
-def assign(doc: dict, cfg: Config) -> dict:
-    """Split (by content hash: stable under any re-run) and logical shard (source x length bucket)."""
-    split = "eval" if int(doc["sha"][:8], 16) / 2**32 < cfg.data.eval_fraction else "train"
+def assign(doc: dict, cfg: Config, held: frozenset[int] = frozenset()) -> dict:
+    """Split (by content hash: stable under any re-run) and logical shard (source x length bucket). With `held` (a
+    small corpus whose hash split left the eval split no sample), those documents are eval too, and every eval
+    document packs into one logical shard, so that none of their tokens is left over at a shard's end."""
+    split = "eval" if _position(doc["sha"]) < cfg.data.eval_fraction or doc["doc_id"] in held else "train"
     short, long_ = cfg.prepare.length_buckets
     bucket = "short" if doc["chars"] < short else "medium" if doc["chars"] < long_ else "long"
+    logical = "held-out" if held and split == "eval" else f"{doc['source']}.{bucket}"
     return {
         "doc_id": doc["doc_id"],
         "text": doc["text"],
         "name": f"{doc['path']}#{doc['row']}",
-        "group": f"{split}/{doc['source']}.{bucket}",
+        "group": f"{split}/{logical}",
     }
+
+
+def _position(sha: str) -> float:
+    """A document's place in [0, 1) by its content hash: below data.eval_fraction, it is held out."""
+    return int(sha[:8], 16) / 2**32
+
+
+def _samples(packed: list[dict], split: str) -> int:
+    return sum(e["samples"] for r in packed if r["split"] == split for e in json.loads(r["entries"]))
+
+
+def held_out(final, cfg: Config, packed: list[dict]) -> frozenset[int]:
+    """The documents to hold out when the hash split gave the eval split no sample: the next ones by content hash
+    (a stable choice) until they hold about twice a sample's tokens, at the corpus' measured bytes per token, but
+    never more than half the corpus. Nothing held out beyond the hash split if that cannot give a sample."""
+    tokens = sum(r["tokens"] + r["dropped_tokens"] for r in packed)
+    sizes = final.map(lambda r: {"at": _position(r["sha"]), "doc_id": r["doc_id"], "bytes": len(r["text"].encode())})
+    docs = sorted((r["at"], r["doc_id"], r["bytes"]) for r in sizes.take_all())
+    per_token = sum(size for *_, size in docs) / max(tokens, 1)
+    need, held, size = 2 * (cfg.model.seq_len + 1) * per_token, set(), 0
+    for _, doc_id, nbytes in docs[: len(docs) // 2]:
+        if size >= need:
+            break
+        held.add(doc_id)
+        size += nbytes
+    return frozenset(held) if size >= need / 2 else frozenset()
 
 
 def pack(group, out: str, cfg: Config, storage: dict, file_tokenizer: tuple[str, str] | None = None):
@@ -379,11 +430,19 @@ def _finish(
         "tokens_dropped_at_packing": sum(r["dropped_tokens"] for r in packed),
         "shards": sum(len(v) for v in splits.values()),
         "samples": {s: sum(e["samples"] for e in v) for s, v in splits.items()},
+        "seq_len": cfg.model.seq_len,  # what a run on it sets (the command `etrain prepare` prints)
+        "vocab_size": tok.vocab_size if tok else tokenizer.VOCAB_SIZE,
     }
     if not splits["train"]:
         raise ConfigError(
             f"no training data left: {report['documents_rejected']} of {read} documents rejected ({dict(reasons)}); "
             "see the thresholds under prepare.*"
+        )
+    if not report["samples"]["eval"]:
+        raise ConfigError(
+            f"no evaluation sample: the {report['documents_kept']} documents kept are too few to hold out a sample of "
+            f"model.seq_len + 1 = {cfg.model.seq_len + 1} tokens and leave the rest to train on; add documents, or "
+            "lower model.seq_len"
         )
     sfs, sroot = fsspec.core.url_to_fs(staging, **storage)
     sfs.makedirs(sroot, exist_ok=True)

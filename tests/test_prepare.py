@@ -198,3 +198,46 @@ def test_a_tokenizer_is_learned_or_given_kept_with_the_shards_and_named_to_a_mod
         f"data.source={learned / 'manifest.json'}", "train.steps=4", "model.vocab_size=400", "run.name=fits"
     )
     assert train(fits, new_run_dir(fits), progress=False)["steps"] == 4
+
+
+def sources_of(shard: Path) -> list[list[str]]:
+    """The documents each row of a shard holds (its `sources` column)."""
+    return pq.read_table(shard, columns=["sources"])["sources"].to_pylist()
+
+
+def test_a_small_corpus_keeps_an_eval_sample_and_the_printed_command_trains(tmp_path, make_cfg, capsys):
+    """Issue 41, defect 9: 33 documents at the default eval share (5 %) held out none, or too few tokens for a
+    sample, and prepare still printed "train on it", which the run refused. The next documents by content hash are
+    held out until the eval split holds a sample; the printed command carries the keys the data needs (a learned
+    BPE of 300 tokens: a vocabulary above the preset's), and it trains."""
+    import shlex
+
+    rng = random.Random(1)
+    src = tmp_path / "small"
+    src.mkdir()
+    for i in range(33):
+        (src / f"doc{i:02d}.txt").write_text(prose(rng, 40))  # ~50 tokens each: a sample takes 129
+    out = tmp_path / "corpus"
+    bpe = ["--set", "prepare.tokenizer={train: bpe, vocab_size: 300}", "--set", "data.shard_bytes=8000"]
+    capsys.readouterr()
+    assert main(["prepare", str(src), "--out", str(out), "--no-progress", *bpe]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["samples"]["eval"] >= 1 and report["samples"]["train"] >= 1
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {e["logical"] for e in manifest["splits"]["eval"]["shards"]} == {"held-out"}
+    docs = {
+        split: {d for e in manifest["splits"][split]["shards"] for row in sources_of(out / e["path"]) for d in row}
+        for split in ("train", "eval")
+    }
+    assert docs["eval"] and docs["train"] and not docs["train"] & docs["eval"]  # held out, not copied
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train on it: ")]
+    command = shlex.split(line.removeprefix("train on it: "))
+    assert f"model.vocab_size={report['vocab_size']}" in command and "model.seq_len=128" in command
+    data = make_cfg().data
+    more = [
+        f"run.root={tmp_path / 'runs'}",
+        "train.steps=2",
+        "cluster.num_workers=1",
+        f"data.cache_dir={data.cache_dir}",
+    ]
+    assert main([*command[1:], "--no-progress", *(a for s in more for a in ("--set", s))]) == 0
