@@ -472,7 +472,8 @@ def cmd_tune(args, started_at: float) -> int:
 def cmd_export(args, started_at: float) -> int:
     from app.export import export
 
-    run, out = Path(args.run).expanduser().resolve(), Path(args.out).expanduser().resolve()
+    # --out as given, not resolved: a link in it is export's to judge (a dangling one is refused)
+    run, out = Path(args.run).expanduser().resolve(), Path(args.out).expanduser().absolute()
     written = export(run, out, args.merge, args.format)
     print(json.dumps(written, indent=1))
     return 0

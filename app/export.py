@@ -5,6 +5,7 @@ run's adapters are merged into its base."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from app.core import checkpoint
@@ -32,6 +33,11 @@ def export(run_dir: Path, out: Path, merge: bool, format: str = "run") -> dict:
         raise UsageError(
             f"{run_dir} trains model.family={cfg.model.family}, which has no Hugging Face architecture; "
             "--format hf writes model.family=llama runs (export it with --format run)"
+        )
+    if out.is_symlink() and not out.exists():
+        raise UsageError(
+            f"--out {out} is a symbolic link to {os.readlink(out)}, which does not exist: name a new directory, or "
+            "the link's target (nothing is written through a dangling link)"
         )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {out} exists and is not an empty directory; name a new one (nothing is overwritten)")

@@ -11,7 +11,7 @@ import pytest
 from app.cli import main
 from app.core import checkpoint
 from app.core.config import load_config, override
-from app.core.model import GPT
+from app.core.model import GPT, make_model
 from app.core.ports import free_port
 from app.export import export
 
@@ -82,3 +82,24 @@ def test_resuming_an_export_is_refused_and_writes_nothing_into_it(finished_run, 
 def test_a_config_of_one_directory_name_in_any_language_is_accepted():
     cfg = load_config("tiny", ["run.name=模型-🚀"])
     assert override(cfg, {"run.name": "a" * 255}).run.name == "a" * 255
+
+
+def test_export_refuses_a_dangling_link_and_writes_files_as_its_neighbours(finished_run, tmp_path, capsys):
+    """Issue 41, defect 10: `--out` through a dangling symbolic link made directories at the link's target, and the
+    Hugging Face export's weights were written 0600 (safetensors' own choice) beside 0644 files."""
+    target, link = tmp_path / "elsewhere" / "deep", tmp_path / "link"
+    link.symlink_to(target)
+    assert main(["export", str(finished_run), "--out", str(link)]) == 2
+    assert "is a symbolic link to" in capsys.readouterr().err and not (tmp_path / "elsewhere").exists()
+
+    cfg = load_config("tiny", ["model.family=llama", "model.n_kv_head=2", "model.tie_weights=false"])
+    run = tmp_path / "llama"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    meta = {"cursor": 0, "config_hash": cfg.hash(), "config": cfg.model_dump()}
+    checkpoint.save(str(run / "checkpoints"), 1, {"model.pt": make_model(cfg.model).state_dict()}, meta, keep=1)
+    for fmt in ("run", "hf"):
+        out = tmp_path / f"out-{fmt}"
+        assert main(["export", str(run), "--out", str(out), "--format", fmt]) == 0
+        modes = {p.relative_to(out): oct(p.stat().st_mode & 0o777) for p in out.rglob("*") if p.is_file()}
+        assert len(set(modes.values())) == 1, modes

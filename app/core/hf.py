@@ -7,6 +7,7 @@ Written on local disk."""
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import re
 from collections.abc import Iterator, Mapping
@@ -321,10 +322,18 @@ def write(model_state: dict[str, torch.Tensor], args: ModelConfig, out: str | Pa
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, out / file, metadata={"format": "pt"})
+        (out / file).chmod(0o666 & ~_umask())  # safetensors makes its file private (0600): as its neighbours instead
         weight_map |= {name: file for name in shard}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (out / "config.json").write_text(json.dumps(hf_config(args, next(iter(tensors.values())).dtype), indent=2))
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it, then setting it back): what plain file writes leave off."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def hf_config(args: ModelConfig, dtype: torch.dtype) -> dict:
