@@ -7,19 +7,25 @@ when it stops), then checked against the invariants every run must keep, whateve
 The same seed draws the same scenarios. tests/test_chaos.py runs a short fixed-seed slice on the test session's Ray.
 
 Modes: data parallel (dp), ZeRO-1 (zero), two tp=2 replicas (tp2), two pp=2 replicas (pp2), one tp=2 × pp=2
-replica (tp2xpp2), LoRA and PPO from a base trained first. Faults: a worker killed, killed inside the gradient
-all-reduce or hung, as a step begins (those after a checkpoint step strike while its save is written); a worker
-killed or hung during an evaluation; the driver interrupted (Ctrl-C) or the coordinator killed, then a resume;
-storage refusing a checkpoint's commit; a resize (`etrain scale`); a reward that turns slow (PPO).
+replica (tp2xpp2), one shard=2 replica (shard2, FSDP2 and DCP files), DiLoCo (diloco), LoRA and PPO from a base
+trained first. Faults: a worker killed, killed inside the gradient all-reduce or hung, as a step begins (those after a
+checkpoint step strike while its save is written); a worker killed or hung during an evaluation; the driver
+interrupted (Ctrl-C) or the coordinator killed, then a resume; storage refusing a checkpoint's commit; a resize
+(`etrain scale`); a reward that turns slow (PPO); and storage faults: the run stopped (Ctrl-C) and its newest
+committed checkpoint damaged before the resume, by a drawn part cut short (ckpt_truncate) or a byte of it flipped
+(ckpt_bitflip), a crafted pickle put in a drawn part or in a sharded run's DCP metadata with commit.json re-hashed to
+match (ckpt_pickle: it would touch a marker file if it ever ran), or a field of commit.json tampered (ckpt_commit).
 
 Invariants, after the run and its resumes: the run ends as its faults allow (every fault but a reward that turns slow
-is survived: the run finishes, resumed at most twice, each time as its driver's last line says; a slow reward fails
-it, in a line that names the reward); every step recorded once; the data cursor exact; each step's loss equal to
-an unfaulted run's of the same mode (bitwise while the world size is the reference's, within 1e-4 relative once it
-changed; PPO's rollouts depend on the split, so only the former); the newest committed checkpoint is the one that
-loads and verifies; each driver ended with exit 0, or with one line that names the cause and the way on; no worker,
-coordinator or scorer process of the scenario is left behind. Run it alone on its Ray: a coordinator killed is
-the scenario's own, but a process left behind is any new one.
+is survived: the run finishes, resumed at most once more than its faults stop it, each time as its driver's last line
+says, `--restart-if-corrupt` included; a slow reward fails it, in a line that names the reward); every step recorded
+once; the data cursor exact; each step's loss equal to an unfaulted run's of the same mode (bitwise while the world
+size is the reference's, within 1e-4 relative once it changed; PPO's rollouts depend on the split, so only the
+former); the newest committed checkpoint is the one that loads and verifies; each driver ended with exit 0, or with
+one line that names the cause and the way on; no worker, coordinator or scorer process of the scenario is left
+behind; no code from storage ran (no marker file); every damaged checkpoint was named, on the terminal and in a
+resume record's `skipped`. Run it alone on its Ray: a coordinator killed is the scenario's own, but a process left
+behind is any new one.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import posixpath
 import random
 import shutil
 import signal
@@ -61,13 +68,19 @@ MODES = {
     "tp2": ["cluster.num_workers=4", "parallel.tp=2"],
     "pp2": ["cluster.num_workers=4", "parallel.pp=2", "parallel.microbatches=2"],
     "tp2xpp2": ["cluster.num_workers=4", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"],
+    "shard2": ["cluster.num_workers=2", "parallel.shard=2"],
+    "diloco": ["cluster.num_workers=2", "cluster.warm_pool=1", "comm.mode=diloco", "comm.diloco.inner_steps=2"],
     "lora": ["cluster.num_workers=2", "cluster.warm_pool=1"],
     "ppo": ["cluster.num_workers=2", "cluster.warm_pool=1", "ppo.rollouts=16", "ppo.response_len=8"],
 }
+LAYOUTS = ("tp2", "pp2", "tp2xpp2", "shard2")  # a warm pool of a replica where there are CPUs (Campaign.pool)
+ONE_REPLICA = ("tp2xpp2", "shard2")  # nowhere to resize to
 WORKER_FAULTS = ("kill", "kill_in_allreduce", "hang")  # config faults, as a step begins
 EVAL_FAULTS = ("eval_kill", "eval_hang")  # config faults (during: eval), in the evaluation after a step
-DRIVER_SIDE = ("driver_sigint", "coordinator_kill", "resize")  # done by this harness once the run reaches the step
+STORAGE = ("ckpt_truncate", "ckpt_bitflip", "ckpt_pickle", "ckpt_commit")  # the run stopped, its checkpoint damaged
+DRIVER_SIDE = ("driver_sigint", "coordinator_kill", "resize", *STORAGE)  # done by this harness at the step
 KINDS = WORKER_FAULTS + EVAL_FAULTS + DRIVER_SIDE + ("commit_refused",)
+COMMIT_TAMPERING = ({"cursor": -5}, {"step": "STEP"}, {"cursor": 10**18}, {"level": "everything"}, None)  # None: cut
 SLOW_REWARD = '''import time
 
 calls = 0
@@ -103,7 +116,7 @@ def draw(seed: int, count: int, modes: list[str] | None = None) -> list[Scenario
     for index in range(count):
         mode = rng.choice(modes or list(MODES))
         workers = 4 if mode in ("tp2", "pp2", "tp2xpp2") else 2
-        kinds = [k for k in KINDS if not (k == "resize" and mode == "tp2xpp2")]  # one replica of 4: nowhere to go
+        kinds = [k for k in KINDS if not (k == "resize" and mode in ONE_REPLICA)]
         kinds += ["slow_reward"] if mode == "ppo" else []
         faults = []
         for step in sorted(rng.sample(range(2, STEPS), rng.choice([1, 1, 2]))):
@@ -117,6 +130,9 @@ def draw(seed: int, count: int, modes: list[str] | None = None) -> list[Scenario
                 fault["workers"] = rng.choice([1, 3]) if workers == 2 else 2
             if kind == "slow_reward":
                 fault["calls"] = rng.randrange(2, 12)
+            if kind in STORAGE:  # after a checkpoint; which part, which damage: drawn now, applied to what is there
+                fault["step"] = max(step, EVERY + 1)
+                fault["pick"] = rng.randrange(1000)
             faults.append(fault)
         out.append(Scenario(seed, index, mode, faults))
     return out
@@ -157,7 +173,7 @@ class Campaign:
             f"run.root={self.workdir / 'runs'}",
             *FAST,
             *MODES[scenario.mode],
-            *([f"cluster.warm_pool={self.pool}"] if "cluster.num_workers=4" in MODES[scenario.mode] else []),
+            *([f"cluster.warm_pool={self.pool}"] if scenario.mode in LAYOUTS else []),
         ]
         if scenario.mode in ("lora", "ppo"):
             from app.core.finetune import finetune_config
@@ -240,17 +256,32 @@ class Campaign:
         shutil.rmtree(run_dir, ignore_errors=True)  # a campaign drawn again in the same directory
         argv = ["train", "--config", str(self.write(cfg))]
         self.arm_storage(scenario, cfg)
-        for attempt in range(3):
-            done = self.driver(argv, scenario if attempt == 0 else None, run_dir)
+        marker = self.marker(scenario)
+        marker.unlink(missing_ok=True)
+        pending = [f for f in scenario.faults if f["kind"] in DRIVER_SIDE]
+        for _ in range(2 + len(pending)):  # a resume for each fault that stops the driver, and one more
+            done = self.driver(argv, pending, run_dir)
             outcome.drivers.append(done)
-            if done["code"] not in (1, 130) or "--resume" not in done["said"]:
+            for fault in [
+                f for f in scenario.faults if f["kind"] in STORAGE and f not in pending and "damaged" not in f
+            ]:
+                fault["damaged"] = damage(fault, checkpoint.checkpoint_uri(cfg, run_dir), marker)
+            if done["code"] == 2 and "--restart-if-corrupt" in done["said"]:
+                argv = ["train", "--resume", str(run_dir), "--restart-if-corrupt"]  # as the line says
+            elif done["code"] not in (1, 130) or "--resume" not in done["said"]:
                 break  # finished, refused, or a failure that no resume mends
-            argv = ["train", "--resume", str(run_dir)]
+            else:
+                argv = ["train", "--resume", str(run_dir)]
         if self.s3 is not None:
             self.s3.reset()
         outcome.violations = check(scenario, run_dir, cfg, outcome.drivers, want, before)
+        outcome.violations += check_storage(scenario, run_dir, outcome.drivers, marker)
         outcome.seconds = time.time() - started
         return outcome
+
+    def marker(self, scenario: Scenario) -> Path:
+        """The file a crafted pickle's command would touch: it must never exist."""
+        return self.workdir / f"{scenario.name}.ran"
 
     def arm_storage(self, scenario: Scenario, cfg: Config) -> None:
         for f in scenario.faults:
@@ -258,8 +289,9 @@ class Campaign:
                 saved = (f["step"] // EVERY) * EVERY or EVERY
                 self.s3.fail("PUT", rf"{cfg.run.name}/step-{saved:08d}/commit\.json")
 
-    def driver(self, argv: list[str], scenario: Scenario | None = None, run_dir: Path | None = None) -> dict:
-        """`etrain ARGV` as its own process on this Ray; the scenario's driver-side faults done to it as it runs."""
+    def driver(self, argv: list[str], pending: list[dict] = (), run_dir: Path | None = None) -> dict:
+        """`etrain ARGV` as its own process on this Ray; the scenario's driver-side faults still `pending` done to it
+        as it runs (each taken off the list once done)."""
         import ray
 
         env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONPATH": str(ROOT)}
@@ -271,7 +303,6 @@ class Campaign:
             stderr=subprocess.PIPE,
             text=True,
         )
-        pending = [f for f in (scenario.faults if scenario else []) if f["kind"] in DRIVER_SIDE]
         deadline = time.time() + 600
         while proc.poll() is None and time.time() < deadline:
             reached = last_step(run_dir) if run_dir else 0
@@ -283,12 +314,15 @@ class Campaign:
             proc.kill()
         err = proc.communicate()[1]
         lines = [x for x in err.splitlines() if x.startswith("etrain: ")]
-        return {"argv": argv, "code": proc.returncode, "said": lines[-1] if lines else "", "lines": len(lines)}
+        skipped = [x for x in err.splitlines() if x.startswith("warning: skipped checkpoint ")]
+        said = lines[-1] if lines else ""
+        return {"argv": argv, "code": proc.returncode, "said": said, "lines": len(lines), "skipped": skipped}
 
 
 def act(fault: dict, driver: subprocess.Popen, run_dir: Path) -> None:
-    """A driver-side fault, now: Ctrl-C to the driver, a SIGKILL to the run's coordinator, or a resize."""
-    if fault["kind"] == "driver_sigint":
+    """A driver-side fault, now: Ctrl-C to the driver (a storage fault's too: its damage waits for the driver's
+    end), a SIGKILL to the run's coordinator, or a resize."""
+    if fault["kind"] in ("driver_sigint", *STORAGE):
         driver.send_signal(signal.SIGINT)
     elif fault["kind"] == "coordinator_kill":  # the run's own (status.json names its pid)
         os.kill(json.loads((run_dir / "status.json").read_text())["coordinator_pid"], signal.SIGKILL)
@@ -344,6 +378,68 @@ def check(
         time.sleep(0.5)
     if left:
         broken.append(f"processes left behind: {sorted(left)}")
+    return broken
+
+
+def damage(fault: dict, uri: str, marker: Path) -> str | None:
+    """The storage fault done to the newest committed checkpoint under `uri` (its part or commit drawn by the fault's
+    `pick`); the step directory damaged, or None when there was none yet."""
+    import hashlib
+
+    import fsspec
+    from hostile import crafted, in_torch_file
+
+    fs, root = fsspec.core.url_to_fs(uri)
+    meta = checkpoint.newest_meta(uri)
+    if meta is None:
+        return None
+    step_dir = posixpath.join(root, f"step-{meta['step']:08d}")
+    files, pick = sorted(meta["files"]), fault["pick"]
+    commit = posixpath.join(step_dir, checkpoint.COMMIT)
+    if fault["kind"] == "ckpt_commit":
+        change = COMMIT_TAMPERING[pick % len(COMMIT_TAMPERING)]
+        body = fs.cat_file(commit)
+        if change is None:
+            fs.pipe_file(commit, body[: len(body) // 2])
+        else:
+            tampered = {k: (str(meta["step"]) if v == "STEP" else v) for k, v in change.items()}
+            fs.pipe_file(commit, json.dumps(json.loads(body) | tampered).encode())
+        return fs.unstrip_protocol(step_dir)
+    name = files[pick % len(files)]
+    path = posixpath.join(step_dir, name)
+    data = fs.cat_file(path)
+    if fault["kind"] == "ckpt_truncate":
+        fs.pipe_file(path, data[: len(data) // 2])
+    elif fault["kind"] == "ckpt_bitflip":
+        at = pick * 7919 % len(data)
+        fs.pipe_file(path, data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1 :])
+    else:  # ckpt_pickle: a crafted pickle where one is read, its sha256 in the commit to match
+        cases = crafted(str(marker))
+        body = cases[sorted(cases)[pick % len(cases)]]
+        if name.startswith(checkpoint.DCP + "/"):
+            name, path = f"{checkpoint.DCP}/.metadata", posixpath.join(step_dir, checkpoint.DCP, ".metadata")
+        else:
+            body = in_torch_file(body)
+        fs.pipe_file(path, body)
+        record = json.loads(fs.cat_file(commit))
+        record["files"][name] = {"bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+        fs.pipe_file(commit, json.dumps(record).encode())
+    return fs.unstrip_protocol(step_dir)
+
+
+def check_storage(scenario: Scenario, run_dir: Path, drivers: list[dict], marker: Path) -> list[str]:
+    """No code from storage ran; every damaged checkpoint named on a driver's terminal and in a resume record."""
+    broken = [f"a crafted pickle's command ran ({marker} exists)"] if marker.exists() else []
+    said = "\n".join(line for d in drivers for line in [*d.get("skipped", []), d["said"]])
+    named = {s["path"].rstrip("/") for r in records(run_dir, "resume") for s in r.get("skipped") or []}
+    for fault in scenario.faults:
+        damaged = fault.get("damaged")
+        if fault["kind"] in STORAGE and damaged:
+            step_dir = damaged.rstrip("/").rsplit("/", 1)[1]
+            if step_dir not in said:
+                broken.append(f"{fault['kind']}: the damaged {step_dir} was named on no driver's terminal")
+            if damaged.rstrip("/") not in named:
+                broken.append(f"{fault['kind']}: the damaged {step_dir} is in no resume record's skipped")
     return broken
 
 

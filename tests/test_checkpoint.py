@@ -243,3 +243,23 @@ def test_every_checkpoint_corrupt_is_refused_naming_each_with_its_cause(tmp_path
     assert "step-00000005: extra.pt does not match its sha256" in text
     assert [s["path"].rsplit("/", 1)[1] for s in refused.value.skipped] == ["step-00000010", "step-00000005"]
     assert checkpoint.newest_meta(uri)["step"] == 10  # how far it got: unverified, as `etrain status` reads it
+
+
+def test_a_crafted_part_rehashed_into_its_commit_is_skipped_and_named_before_any_load(tmp_path):
+    """A part replaced by a crafted torch file, its sha256 rewritten to match: the checkpoint verifies by hash, so its
+    pickle is read too (onto the meta device, before any worker loads it): the checkpoint is skipped, named with the
+    part, and the one before is taken. Nothing runs."""
+    import hashlib
+
+    uri, marker = str(tmp_path / "ck"), tmp_path / "ran"
+    checkpoint.save(uri, 5, parts(1.0), {}, keep=3)
+    checkpoint.save(uri, 10, parts(2.0), {}, keep=3)
+    body = hostile.in_torch_file(hostile.crafted(str(marker))["os.system"])
+    step = tmp_path / "ck" / "step-00000010"
+    (step / "extra.pt").write_bytes(body)
+    commit = json.loads((step / checkpoint.COMMIT).read_text())
+    commit["files"]["extra.pt"] = {"bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+    (step / checkpoint.COMMIT).write_text(json.dumps(commit))
+    ck = checkpoint.load_latest(uri)
+    assert ck.meta["step"] == 5 and ck.skipped[0]["error"].startswith("extra.pt is not a file of tensors etrain reads")
+    assert not marker.exists()

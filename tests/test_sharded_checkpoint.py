@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
 
-from app.core import checkpoint
+from app.core import checkpoint, sharded_checkpoint
 from app.core.config import ConfigError, load_config, override
 from app.core.finetune import check_base, model_only
 from app.core.model import GPT
@@ -191,3 +191,21 @@ def test_a_base_in_dcp_files_is_checked_one_tensor_at_a_time(tmp_path):
         check_base(override(tuned, {"finetune.base_digest": "0" * 64}))
     with pytest.raises(ConfigError, match=r"another model shape .*: \(128, 128\) here, \(96, 96\) in the run's model"):
         check_base(override(tuned, {"model.d_model": 96}))
+
+
+def test_a_checkpoint_from_before_the_first_step_loads_into_a_trained_optimizer(tmp_path):
+    """A layout's run writes a checkpoint at its start, before AdamW has any state. A rollback to it, from workers
+    whose optimizer has stepped, asked for moments it does not hold (`Missing key in checkpoint state_dict:
+    optim.embed.weight.step`; found by the fault campaign): it now restores the weights and a fresh optimizer."""
+    cfg = load_config("tiny", [])
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    start = {n: t.clone() for n, t in model.state_dict().items()}
+    torch_dcp.save(state_dict(model, optimizer), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    model(torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 9)))[1].backward()
+    optimizer.step()
+    assert optimizer.state and not torch.equal(model.state_dict()["embed.weight"], start["embed.weight"])
+    sharded_checkpoint.load(model, optimizer, str(tmp_path / "dcp"))
+    assert not optimizer.state
+    assert all(torch.equal(t, start[n]) for n, t in model.state_dict().items())

@@ -13,7 +13,9 @@ of every part) is written last, by the coordinator. Readers trust only a directo
 whose checksums match; anything else is the debris of a crash or a save still in flight.
 
 Parts are written with `torch.save` and read with `torch.load(weights_only=True)`, so storage never
-feeds a pickle; the coordinator moves verified bytes and never imports torch for them.
+feeds a pickle that builds anything but tensors and plain values. The coordinator verifies each part before it
+picks a checkpoint: its sha256, and its pickle read onto the meta device (weights_only, no tensor data read), so a
+crafted part is skipped and named like a damaged one instead of failing every worker's load.
 """
 
 from __future__ import annotations
@@ -83,9 +85,9 @@ def serialize(state) -> bytes:
     return buf.getvalue()
 
 
-def deserialize(data: bytes, name: str = "a checkpoint part"):
+def deserialize(data: bytes, name: str = "a checkpoint part", device: str = "cpu"):
     """A part's tensors and plain values; a pickle that holds anything else (weights_only refuses it) or a file that
-    is not torch's as one line naming the part (`name`)."""
+    is not torch's as one line naming the part (`name`). `device` meta: the pickle alone, no tensor data read."""
     import pickle
 
     import torch
@@ -93,8 +95,8 @@ def deserialize(data: bytes, name: str = "a checkpoint part"):
     try:
         with warnings.catch_warnings():  # a crafted pickle's protocol: the refusal below says all there is
             warnings.simplefilter("ignore")
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+            return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError) as e:
         raise CheckpointError(f"{name} is not a file of tensors etrain reads: {refusal(e)}") from None
 
 
@@ -395,6 +397,7 @@ def _read_parts(fs, path: str, meta: dict) -> dict[str, bytes]:
         if data is None:
             parts[DCP] = fs.unstrip_protocol(posixpath.join(path, DCP)).encode()
         else:
+            deserialize(data, name, device="meta")  # its pickle: a crafted one is refused here, by name
             parts[name] = data
     if DCP in parts:  # its index, read as the ranks will read it: a file that would build anything else is refused
         from app.core.sharded_checkpoint import METADATA, read_metadata

@@ -76,9 +76,15 @@ def written(uri: str, group_rank: int) -> dict[str, dict]:
 
 
 def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str, tied: bool = False) -> None:
-    """Take the checkpoint under `uri` into this rank's part, in place: each rank reads the slices it holds."""
+    """Take the checkpoint under `uri` into this rank's part, in place: each rank reads the slices it holds. One
+    with no optimizer state (a run's first save, before its first step) leaves the optimizer as a fresh run's: no
+    state, made at the next step (a rollback to it once asked for the moments the live optimizer held)."""
     reader = _reader(uri)
     saved = reader.read_metadata().state_dict_metadata
+    if not _optimizer_held(saved):
+        optimizer.state.clear()
+        _load({"model": model.state_dict()}, reader)
+        return
     for name, p in model.named_parameters():  # AdamW's state is made lazily: room for what the checkpoint holds
         prefix = f"optim.{optim_name(name, tied)}."
         keys = {k.rsplit(".", 1)[1] for k in saved if k.startswith(prefix)}
@@ -142,9 +148,7 @@ def whole_state(uri: str) -> dict:
 def _check_optimizer_state(model: torch.nn.Module, saved: dict, tied: bool, uri: str) -> None:
     """A checkpoint with optimizer state holds it for every trainable parameter (none: a run's first save, before
     its first step): a part missing would start those moments afresh, and the run leave its trajectory unnoticed."""
-    held = {k.removeprefix("optim.").rsplit(".", 1)[0] for k in saved if k.startswith("optim.")}
-    if not held:
-        return
+    held = _optimizer_held(saved)
     trainable = {optim_name(name, tied) for name, p in model.named_parameters() if p.requires_grad}
     if missing := sorted(trainable - held):
         raise CheckpointError(
@@ -152,6 +156,11 @@ def _check_optimizer_state(model: torch.nn.Module, saved: dict, tied: bool, uri:
             "resuming from it would start their moments afresh; move this checkpoint's step directory aside and "
             "resume from the one before it"
         )
+
+
+def _optimizer_held(saved: dict) -> set[str]:
+    """The parameters (by optim_name) whose optimizer state a checkpoint's metadata holds."""
+    return {k.removeprefix("optim.").rsplit(".", 1)[0] for k in saved if k.startswith("optim.")}
 
 
 def _like(p: torch.Tensor, meta) -> torch.Tensor:
