@@ -191,8 +191,8 @@ class Coordinator:
         self.evaluated_step = self.at.step
         try:
             faults = self.faults.due(self.at.step, during="eval")
-            loss = evaluate(self.team, self.data.eval_ids, self.cfg.timeouts.step_s, {} if self.scorers else faults)
-            reward = self.stepper.reward(self.cfg.timeouts.step_s, faults) if self.scorers else None
+            loss = evaluate(self.team, self.data.eval_ids, {} if self.scorers else faults)
+            reward = self.stepper.reward(faults) if self.scorers else None
         except WorkersLost as gone:  # this evaluation is lost with them; the next comes after recovery
             return Lost(gone.lost, gone.since)
         if loss is not None:
@@ -338,7 +338,7 @@ class Coordinator:
         if point is not None:
             self._rewind(point, "resume")
         self.phase = State.RUNNING
-        from actors.ps_mode import PSTraining  # brings torch: the coordinator of any other mode needs none
+        from actors.ps_mode import PSTraining  # brings torch: another mode's coordinator needs it for a resume alone
 
         ps = PSTraining(
             self.cfg,
@@ -466,7 +466,8 @@ class Coordinator:
 
 def _start_scorers(cfg: Config) -> tuple:
     """PPO's modules are imported here, and parameter-server mode's in `_train_ps`: they bring torch, which the
-    coordinator of any other run needs for nothing (seconds of a fresh process's start, before every first step)."""
+    coordinator of any other run needs only to verify a checkpoint it resumes or rolls back to (seconds of a fresh
+    process's start, before every first step)."""
     from actors import scorers
 
     return scorers.start(cfg)

@@ -109,11 +109,12 @@ class Team:
 
     def gather(self, refs: list, among: list, what: str, timeout: float | None = None, queued: list = ()) -> list:
         """actors/gather.py's wait, with this run's ping timeout and the stop that releases cache pins; `queued`:
-        calls made after these, waited for (up to timeouts.collective_s) before a failure's pings. No `timeout`:
-        timeouts.step_s, named so when it runs out."""
+        calls made after these, waited for (up to timeouts.collective_s) before a failure's pings. `timeout`: a
+        wait of another length (a join's); none, a step's work: timeouts.step_s, which a failure then names."""
         t = self.cfg.timeouts
-        name = "timeouts.step_s" if timeout is None else ""
-        return gather(refs, among, what, timeout or t.step_s, t.ping_s, self.retire, queued, t.collective_s, name)
+        if timeout is None:
+            return gather(refs, among, what, t.step_s, t.ping_s, self.retire, queued, t.collective_s, "timeouts.step_s")
+        return gather(refs, among, what, timeout, t.ping_s, self.retire, queued, t.collective_s)
 
     def retire(self, workers: list) -> None:
         """Stop workers for good, and release the shard-cache pins they held (a killed reader cannot)."""

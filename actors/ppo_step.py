@@ -45,14 +45,14 @@ class PPOStepper(Stepper):
         self.commit(at, count, reports, time.perf_counter() - started, extra)
         return Outcome()
 
-    def reward(self, timeout: float, faults: dict | None = None) -> float:
+    def reward(self, faults: dict | None = None) -> float:
         """The policy's mean reward on the held-out prompts, split over the members. WorkersLost as evaluate."""
         workers, faults = self.team.workers, faults or {}
         shares = np.array_split(np.arange(self.cfg.ppo.eval_prompts), len(workers))
         refs = [
             w.ppo_evaluate.remote(ids, self.scorers, faults.get(r)) for r, (w, ids) in enumerate(zip(workers, shares))
         ]
-        results = self.team.gather(refs, workers, "reward evaluation", timeout)
+        results = self.team.gather(refs, workers, "reward evaluation")
         return sum(r[0] for r in results) / sum(r[1] for r in results)
 
     @property

@@ -15,6 +15,9 @@ import posixpath
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, StrictBool, ValidationError
 
 from actors.control import JobError, due
 from actors.gather import WorkersLost
@@ -34,6 +37,38 @@ class Save:
     started: float
     stall_s: float  # how long the step loop waited for it
     last_full: float  # the saver's last_full before this save began: where it goes back to if the save fails
+
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Norms(BaseModel):
+    n: NonNegativeInt = 0
+    mean: Finite = 0.0
+    m2: Finite = 0.0
+    streak: NonNegativeInt = 0
+
+
+class _Balance(BaseModel):
+    balanced: StrictBool
+    streak: NonNegativeInt
+    speeds: list[Annotated[float, Field(gt=0, allow_inf_nan=False)] | None]
+
+
+class RunState(BaseModel):
+    """The run's state a commit carries and the coordinator takes on a resume or rollback (the guards', the
+    stepper's, the balancer's, where the data stands): checked before it is acted on, since whoever can write the
+    checkpoint can write this file (actors/guards.py, step.py, ppo_step.py, balance.py read it)."""
+
+    model_config = ConfigDict(strict=True)
+    config_hash: str
+    cursor: NonNegativeInt
+    lr_scale: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False, strict=False)] = 1.0
+    norms: _Norms = _Norms()
+    limit_before: Annotated[float, Field(ge=0, allow_inf_nan=False, strict=False)] | None = None
+    judged: int | None = None
+    kl_coef: Annotated[float, Field(ge=0, allow_inf_nan=False, strict=False)] | None = None
+    balance: _Balance | None = None
 
 
 @dataclass
@@ -155,7 +190,7 @@ class Saver:
             time.perf_counter() - save.started,
         )
         try:
-            checkpoint.retain(self.uri, self.cfg.checkpoint.keep)
+            checkpoint.retain(self.uri, self.cfg.checkpoint.keep, upto=step)
         except STORAGE_ERRORS as e:  # the save stands; older checkpoints stay until a later retention succeeds
             logger.warning("checkpoint at step %d: removing older checkpoints failed: %s", step, describe(e))
             record.retain_error = describe(e)
@@ -199,9 +234,16 @@ class Saver:
         return ckpt
 
     def _reachable(self, meta: dict) -> str | None:
-        """Whether a commit's data cursor is one its steps could have reached (what is wrong, if it is not)."""
+        """What is wrong with a commit's run state for this run, if anything: each field the coordinator reads of
+        it (RunState) of its type and range, and a data cursor its steps could have reached."""
+        try:
+            RunState.model_validate(meta)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(p) for p in err["loc"])
+            return f"{field} is {err.get('input')!r}: {err['msg'][0].lower()}{err['msg'][1:]}"
         most = meta["step"] * self.cfg.most_per_step()
-        if meta.get("cursor", 0) > most:
+        if meta["cursor"] > most:
             return f"cursor is {meta['cursor']}, more than {meta['step']} steps of this run take (at most {most})"
         return None
 

@@ -240,7 +240,7 @@ class Stepper:
         self.team.stepped()
 
 
-def evaluate(team, eval_ids: np.ndarray, timeout: float, faults: dict | None = None) -> float | None:
+def evaluate(team, eval_ids: np.ndarray, faults: dict | None = None) -> float | None:
     """The mean loss of the current weights on the held-out samples, split over the members (`faults`: rank -> an
     injected fault, during: eval). WorkersLost if a member is lost meanwhile: this evaluation is lost with it."""
     if not len(eval_ids):
@@ -251,5 +251,5 @@ def evaluate(team, eval_ids: np.ndarray, timeout: float, faults: dict | None = N
     shares = [shares[par.place(rank).replica] for rank in range(len(shares) * par.ranks)]  # a replica's ranks alike
     faults = faults or {}
     refs = [w.evaluate.remote(s, faults.get(rank)) for rank, (w, s) in enumerate(zip(workers, shares))]
-    results = team.gather(refs, workers, "evaluation", timeout)
+    results = team.gather(refs, workers, "evaluation")  # within timeouts.step_s, named when it runs out
     return sum(r[0] for r in results) / sum(r[1] for r in results)

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import sys
 import time
 import traceback
@@ -213,7 +214,7 @@ def _train_command(config: str, cfg, out: str, report: dict) -> str:
     vocab = report["vocab_size"]
     keys = [f"data.source={out}/manifest.json", f"model.seq_len={cfg.model.seq_len}"]
     keys += [f"model.vocab_size={vocab}"] * (vocab > cfg.model.vocab_size)
-    return f"etrain train --config {config} " + " ".join(f"--set {k}" for k in keys)
+    return f"etrain train --config {shlex.quote(config)} " + " ".join(f"--set {shlex.quote(k)}" for k in keys)
 
 
 def _parse_option(item: str) -> tuple[str, str]:

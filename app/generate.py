@@ -60,18 +60,21 @@ def _codec(read: Callable[[], tokenizer.Codec]) -> tokenizer.Codec:
 
 def _run_checkpoint(source: str) -> tuple[Config, checkpoint.Checkpoint]:
     path = Path(source).expanduser()
+    if (path / "config.yaml").is_file():  # a run: its newest checkpoint that verifies (those skipped are named)
+        cfg = validate(yaml.safe_load((path / "config.yaml").read_text()))
+        ckpt = checkpoint.load_latest(checkpoint.checkpoint_uri(cfg, path))
+        if ckpt is None:
+            raise ConfigError(f"{source}: the run has no committed checkpoint yet")
+        return cfg, ckpt
+    if not (path / checkpoint.COMMIT).is_file():
+        raise ConfigError(
+            f"{source} is not a run directory, a checkpoint or a Hugging Face model directory (it holds no "
+            f"config.yaml, {checkpoint.COMMIT}, or config.json beside safetensors)"
+        )
     try:
-        if (path / "config.yaml").is_file():  # a run: its newest committed checkpoint
-            cfg = validate(yaml.safe_load((path / "config.yaml").read_text()))
-            ckpt = checkpoint.load_latest(checkpoint.checkpoint_uri(cfg, path))
-            if ckpt is None:
-                raise ConfigError(f"{source}: the run has no committed checkpoint yet")
-            return cfg, ckpt
         ckpt = checkpoint.load_at(str(path.resolve()))
     except checkpoint.CheckpointError as e:
-        raise ConfigError(
-            f"{source} is not a run directory, a checkpoint or a Hugging Face model directory ({e})"
-        ) from None
+        raise ConfigError(f"checkpoint {source}: {e}") from None
     if not isinstance(ckpt.meta.get("config"), dict):
         raise ConfigError(f"{source}: the checkpoint does not name its run's config; give the run directory")
     return validate(ckpt.meta["config"]), ckpt

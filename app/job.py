@@ -145,12 +145,24 @@ def check_resume(run_dir: Path, cfg: Config) -> None:
             f"{run_dir} is an export of {meta['exported_from']} (weights only), not a run: it cannot be resumed; "
             f"fine-tune from it with `etrain finetune --from {run_dir}`"
         )
-    if meta is not None and meta["step"] >= cfg.train.steps:
+    if meta is not None and meta["step"] >= cfg.train.steps and _verifies(checkpoint_uri(cfg, run_dir), meta["step"]):
         raise ConfigError(
             f"run {run_dir} has trained all of its train.steps={cfg.train.steps} (its newest checkpoint is at step "
             f"{meta['step']}); to train it longer: etrain train --resume {run_dir} --set train.steps=N (N > "
             f"{meta['step']})"
         )
+
+
+def _verifies(uri: str, step: int) -> bool:
+    """Whether the checkpoint of `step` under `uri` is the newest that verifies. One that does not is no finished
+    run: the resume goes back past it (the coordinator names it) and trains the steps again."""
+    from app.core.checkpoint import CheckpointsCorrupt, load_latest
+
+    try:
+        newest = load_latest(uri)
+    except CheckpointsCorrupt:
+        return False
+    return newest is not None and newest.meta["step"] >= step
 
 
 def check_memory(cfg: Config) -> None:
@@ -190,12 +202,14 @@ def train(
     lease = acquire(checkpoint_uri(cfg, run_dir), run_dir.name, cfg.timeouts.lease_s)
     try:
         shown = Progress(cfg.train.steps, progress, log_every)
-        return _run(cfg, run_dir, (resume, restart_if_corrupt), started_at, shown, on_eval, lease)
+        return _run(cfg, run_dir, resume, restart_if_corrupt, started_at, shown, on_eval, lease)
     finally:
         release(lease)
 
 
-def _run(cfg: Config, run_dir: Path, resume: tuple, started_at: float, progress: Progress, on_eval, lease) -> dict:
+def _run(
+    cfg: Config, run_dir: Path, resume: bool, restart: bool, started_at: float, progress: Progress, on_eval, lease
+) -> dict:
     # The worker module brings torch (~3 s to import): load it while Ray starts.
     with ThreadPoolExecutor(1) as pool:
         worker_module = pool.submit(importlib.import_module, "actors.worker")
@@ -210,7 +224,7 @@ def _run(cfg: Config, run_dir: Path, resume: tuple, started_at: float, progress:
     )
     coordinator = coordinator.remote(cfg.model_dump(), str(run_dir), manifest, started_at, workers, lease, connected_at)
     try:
-        done = coordinator.run.remote(*resume)
+        done = coordinator.run.remote(resume, restart)
         _follow(coordinator, done, cfg, progress, on_eval)
         return ray.get(done)
     except ray.exceptions.RayActorError as e:

@@ -130,9 +130,10 @@ def prepare(
                 storage=storage,
                 tok=tok,
             )
-        except ConfigError:  # nothing written for the user: no staging directory left behind either
-            if staging != out:
-                shutil.rmtree(staging, ignore_errors=True)
+        except ConfigError:  # nothing for the user: nothing of this run left behind either (no manifest was written)
+            sfs, sroot = fsspec.core.url_to_fs(staging, **storage)
+            if sfs.exists(sroot):
+                sfs.rm(sroot, recursive=True)
             raise
         stages.update()
     return report

@@ -16,16 +16,16 @@ committed checkpoint damaged before the resume, by a drawn part cut short (ckpt_
 (ckpt_bitflip), a crafted pickle put in a drawn part or in a sharded run's DCP metadata with commit.json re-hashed to
 match (ckpt_pickle: it would touch a marker file if it ever ran), or a field of commit.json tampered (ckpt_commit).
 
-Invariants, after the run and its resumes: the run ends as its faults allow (every fault but a reward that turns slow
-is survived: the run finishes, resumed at most once more than its faults stop it, each time as its driver's last line
-says, `--restart-if-corrupt` included; a slow reward fails it, in a line that names the reward); every step recorded
-once; the data cursor exact; each step's loss equal to an unfaulted run's of the same mode (bitwise while the world
-size is the reference's, within 1e-4 relative once it changed; PPO's rollouts depend on the split, so only the
-former); the newest committed checkpoint is the one that loads and verifies; each driver ended with exit 0, or with
-one line that names the cause and the way on; no worker, coordinator or scorer process of the scenario is left
-behind; no code from storage ran (no marker file); every damaged checkpoint was named, on the terminal and in a
-resume record's `skipped`. Run it alone on its Ray: a coordinator killed is the scenario's own, but a process left
-behind is any new one.
+Invariants, after the run and its resumes: the run ends as its faults allow (every fault but a reward that turns
+slow is survived: the run finishes, resumed at most once more than its faults stop it, each time as its driver's
+last line says, `--restart-if-corrupt` included; a slow reward fails it, in a line that names the reward); every
+step recorded once; the data cursor exact; each step's loss equal to an unfaulted run's of the same mode (bitwise
+while the world size is the reference's, within 1e-4 relative once it changed; PPO's rollouts and DiLoCo's inner
+steps depend on the split, so only the former); the newest committed checkpoint is the one that loads and verifies;
+each driver ended with exit 0, or with one line that names the cause and the way on; no worker, coordinator or
+scorer process of the scenario is left behind; no code from storage ran (no marker file); every damaged checkpoint
+was named, on the terminal and in a resume record's `skipped`. Run it alone on its Ray: a coordinator killed is the
+scenario's own, but a process left behind is any new one.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from app.core import checkpoint  # noqa: E402
 from app.core.config import Config, load_config, override  # noqa: E402
 from app.core.records import read_jsonl  # noqa: E402
+
+from runs import interruptible  # noqa: E402
 
 STEPS, EVERY = 12, 4  # steps of a run; its checkpoint and evaluation cadence
 FAST = [  # bounded waits, so a fault ends in seconds; an equal split, so runs compare bitwise
@@ -302,6 +304,7 @@ class Campaign:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=interruptible,
         )
         deadline = time.time() + 600
         while proc.poll() is None and time.time() < deadline:
@@ -447,8 +450,10 @@ def compare(scenario: Scenario, trained: list[dict], want: list[dict]) -> list[s
     """Each step's loss against the reference's: bitwise at the reference's world size, else within 1e-4."""
     size = want[0]["world_size"]
     resized = any(r["world_size"] != size for r in trained)
-    if scenario.mode == "ppo" and resized:
-        return []  # rollouts are sampled per rank: another split draws other responses
+    if scenario.mode in ("ppo", "diloco") and resized:
+        # PPO's rollouts are sampled per rank: another split draws other responses; DiLoCo's inner steps are each
+        # worker's own: at another world size the workers take other local steps (not float order, another sum)
+        return []
     ref = {r["step"]: r.get("loss") for r in want}
     off = []
     for r in trained:

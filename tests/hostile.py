@@ -82,8 +82,22 @@ def refused_only(directory_file: str) -> dict[str, bytes]:
     def pointing(info: _StorageInfo) -> bytes:
         return pickle.dumps(Metadata({"model.w": tensor}, storage_data={MetadataIndex("model.w", [0]): info}))
 
+    huge = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([10**12]), [chunk])
+    stored = {MetadataIndex("model.w", [0]): _StorageInfo("__0_0.distcp", 0, 64)}
     return {
         "a read outside the checkpoint": pointing(_StorageInfo(directory_file, 0, 10)),
+        "a read of a file the commit does not list": pointing(_StorageInfo("__7_0.distcp", 0, 64)),
+        "a tensor larger than its bytes": pickle.dumps(
+            Metadata(
+                {"model.w": huge}, storage_data={MetadataIndex("model.w", [0]): _StorageInfo("__0_0.distcp", 0, 64)}
+            )
+        ),
+        "a size that is not a torch.Size": pickle.dumps(
+            Metadata(
+                {"model.w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), [4], [chunk])},
+                storage_data=stored,
+            )
+        ),
         "a transform": pointing(_StorageInfo("__0_0.distcp", 0, 10, ["zstd/1"])),
         "an entry of pickled bytes": pickle.dumps(Metadata({"model.w": BytesStorageMetadata()})),
         "not a Metadata": pickle.dumps(torch.Size([1, 2])),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -77,6 +78,12 @@ def run_scaled(make_cfg, name: str, sizes: tuple[int, ...], *overrides: str) -> 
     return run_dir
 
 
+def interruptible() -> None:
+    """A child's Ctrl-C as at a terminal (Popen's preexec_fn): a shell's background job (`nohup ... &`, some CI
+    runners) starts with SIGINT ignored, a Python child inherits that, and a SIGINT to it never interrupts it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_driver(cfg, tmp_path: Path, *args: str) -> subprocess.Popen:
     """`etrain train` as its own driver process (as a user or `ray job submit` runs it) on the session's Ray."""
     config = tmp_path / f"{cfg.run.name}.yaml"
@@ -90,6 +97,7 @@ def start_driver(cfg, tmp_path: Path, *args: str) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=interruptible,
     )
 
 

@@ -201,7 +201,7 @@ SHA = "0" * 64
         ("cursor", -5, "cursor is -5, not a whole number"),
         ("cursor", True, "cursor is True, not a whole number"),
         ("cursor", 1.5, "cursor is 1.5, not a whole number"),
-        ("step", "10", "step is '10', not the step of its directory step-00000010"),
+        ("step", "10", "step is '10', not a step number"),
         ("step", 9, "step is 9, not the step of its directory step-00000010"),
         ("level", "huge", "level is 'huge', not full or light"),
         ("files", [], "files is not a mapping of its parts"),
@@ -209,6 +209,7 @@ SHA = "0" * 64
         ("files", {"/etc/passwd": {"bytes": 1, "sha256": SHA}}, "names a part '/etc/passwd'"),
         ("files", {"model.pt": {"bytes": -1, "sha256": SHA}}, "part model.pt has no size and sha256"),
         ("files", {"model.pt": {"bytes": 1, "sha256": "beef"}}, "part model.pt has no size and sha256"),
+        ("files", {"dcp": {"bytes": 1, "sha256": SHA}}, "names a part 'dcp'"),
     ],
 )
 def test_a_tampered_commit_is_skipped_in_one_line_naming_its_field(tmp_path, field, value, said):
@@ -263,3 +264,36 @@ def test_a_crafted_part_rehashed_into_its_commit_is_skipped_and_named_before_any
     ck = checkpoint.load_latest(uri)
     assert ck.meta["step"] == 5 and ck.skipped[0]["error"].startswith("extra.pt is not a file of tensors etrain reads")
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\x80\x02.",
+        b"\x80\x02ccollections\nOrderedDict\nK\x01\x85R.",
+        b"",
+        b"PK\x03\x04 not a zip",
+        b"\x80\x02]q\x00(K\x01",
+    ],
+    ids=["stop-on-empty-stack", "allowed-class-bad-args", "empty", "broken-zip", "cut-short"],
+)
+def test_a_malformed_part_is_refused_in_one_line_whatever_the_unpickler_raises(body):
+    """weights_only's unpickler raises more than UnpicklingError for a malformed file (IndexError, TypeError, ...):
+    every one is a refusal naming the part, never a raw exception out of the load."""
+    for data in (body, hostile.in_torch_file(body)):
+        with pytest.raises(checkpoint.CheckpointError, match=r"^model\.pt is not a file of tensors etrain reads: "):
+            checkpoint.read_part({"model.pt": data}, "model.pt")
+
+
+def test_retention_after_a_skipped_newer_checkpoint_keeps_the_good_ones(tmp_path):
+    """A resume that skipped a corrupt step 10 and went on from step 5 saves step 6: with checkpoint.keep=1, counting
+    the corrupt 10 as the newest would remove 5 and 6 and leave only it. Directories past the step just saved are
+    neither counted nor removed."""
+    uri = str(tmp_path / "ck")
+    for step in (5, 10):
+        checkpoint.save(uri, step, parts(float(step)), {}, keep=3)
+    corrupt(tmp_path / "ck" / "step-00000010" / "model.pt")
+    assert checkpoint.load_latest(uri).meta["step"] == 5
+    checkpoint.save(uri, 6, parts(6.0), {}, keep=1)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000006", "step-00000010"]
+    assert checkpoint.load_latest(uri).meta["step"] == 6

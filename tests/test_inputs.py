@@ -5,6 +5,7 @@ no file written into what the user gave."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -101,5 +102,22 @@ def test_export_refuses_a_dangling_link_and_writes_files_as_its_neighbours(finis
     for fmt in ("run", "hf"):
         out = tmp_path / f"out-{fmt}"
         assert main(["export", str(run), "--out", str(out), "--format", fmt]) == 0
+        mask = os.umask(0)
+        os.umask(mask)
         modes = {p.relative_to(out): oct(p.stat().st_mode & 0o777) for p in out.rglob("*") if p.is_file()}
-        assert len(set(modes.values())) == 1, modes
+        assert set(modes.values()) == {oct(0o666 & ~mask)}, modes  # a plain file's, whatever the umask
+
+
+def test_a_finished_run_whose_final_checkpoint_is_corrupt_may_resume(finished_run):
+    """`--resume` of a finished run is refused (nothing to train), but not when its final checkpoint fails
+    verification: then the run did not keep its end, and the resume goes back past it (naming it) and trains the
+    steps again, instead of telling the user to raise train.steps."""
+    from app.core.config import ConfigError
+    from app.job import check_resume
+
+    cfg = load_config(str(finished_run / "config.yaml"), [])
+    with pytest.raises(ConfigError, match="has trained all of its train.steps=7"):
+        check_resume(finished_run, cfg)
+    part = finished_run / "checkpoints" / "step-00000007" / "model.pt"
+    part.write_bytes(part.read_bytes()[:100])
+    check_resume(finished_run, cfg)  # no refusal: the coordinator takes it from here

@@ -149,7 +149,6 @@ def test_a_frozen_coordinator_fails_the_driver_after_the_join_timeout(make_cfg):
         "run.name=frozen",
         "train.steps=2000",
         "timeouts.collective_s=2",
-        "timeouts.collective_s=2",
         "timeouts.step_s=4",
         "timeouts.join_s=15",  # the workers' start on a loaded machine fits in it
     )

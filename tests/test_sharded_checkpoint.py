@@ -117,10 +117,11 @@ def test_a_crafted_metadata_pickle_runs_nothing_and_is_refused_in_one_line_namin
 @pytest.mark.parametrize("case", sorted(hostile.refused_only("/etc/passwd")))
 def test_a_metadata_of_dcps_own_classes_that_no_save_writes_is_refused(case):
     """Built of the very classes DCP writes, but not a save of tensors in this directory: a read pointed at another
-    file, a transform, an entry of pickled bytes (DCP would torch.load it with weights_only=False), and malformed
-    pickles."""
+    file or at one the commit does not list, a transform, an entry of pickled bytes (DCP would torch.load it with
+    weights_only=False), a tensor larger than its stored bytes (a reader would allocate it), a size of another type,
+    and malformed pickles."""
     with pytest.raises(checkpoint.CheckpointError) as refused:
-        read_metadata("dcp/.metadata", io.BytesIO(hostile.refused_only("/etc/passwd")[case]))
+        read_metadata("dcp/.metadata", io.BytesIO(hostile.refused_only("/etc/passwd")[case]), {"__0_0.distcp"})
     one_line_naming(refused.value, "dcp/.metadata")
 
 
@@ -158,8 +159,9 @@ def test_a_crafted_tensor_file_is_refused_by_weights_only(tmp_path):
     data = hostile.in_torch_file(hostile.crafted(str(marker))["os.system"])
     shard, index = Path(step_dir) / "dcp" / "__0_0.distcp", Path(step_dir) / "dcp" / ".metadata"
     metadata = pickle.loads(index.read_bytes())
-    first = next(iter(metadata.storage_data))
-    metadata.storage_data[first] = _StorageInfo("__0_0.distcp", shard.stat().st_size, len(data))
+    sizes = {k: m.size.numel() for k, m in metadata.state_dict_metadata.items()}
+    smallest = min(metadata.storage_data, key=lambda index: sizes[index.fqn])  # a step count: its bytes hold it
+    metadata.storage_data[smallest] = _StorageInfo("__0_0.distcp", shard.stat().st_size, len(data))
     shard.write_bytes(shard.read_bytes() + data)
     index.write_bytes(pickle.dumps(metadata))
     with pytest.raises(checkpoint.CheckpointError) as refused:
@@ -209,3 +211,48 @@ def test_a_checkpoint_from_before_the_first_step_loads_into_a_trained_optimizer(
     sharded_checkpoint.load(model, optimizer, str(tmp_path / "dcp"))
     assert not optimizer.state
     assert all(torch.equal(t, start[n]) for n, t in model.state_dict().items())
+
+
+def test_an_entry_of_pickled_bytes_is_refused_by_the_planner_even_past_the_metadata_check(tmp_path):
+    """DCP loads an entry of bytes with torch.load(weights_only=False). read_metadata admits no such entry; behind
+    it, every load's planner refuses one too: here a metadata read by DCP's own reader (no check at all) points
+    `model.w` at a crafted pickle, and nothing runs."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+
+    marker = tmp_path / "ran"
+    torch_dcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    payload = hostile.crafted(str(marker))["os.system"]
+    (tmp_path / "dcp" / "__0_0.distcp").write_bytes(payload)
+    index = MetadataIndex("model.w")
+    crafted = Metadata(
+        {"model.w": BytesStorageMetadata()}, storage_data={index: _StorageInfo("__0_0.distcp", 0, len(payload))}
+    )
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(crafted))
+    with pytest.raises(checkpoint.CheckpointError, match="holds model.w as pickled bytes, which etrain never writes"):
+        sharded_checkpoint._load({"model": {"w": torch.zeros(4)}}, FileSystemReader(str(tmp_path / "dcp")))
+    assert not marker.exists()
+
+
+def test_a_checkpoint_missing_some_optimizer_state_is_refused_naming_the_parameters(tmp_path):
+    """A save that left some parameters' moments out (as the final save after an evaluation did, before FSDP's
+    root was resharded) is refused by a load, naming them, before any state is touched: starting those moments
+    afresh would leave the run's trajectory without a word."""
+    cfg = load_config("tiny", [])
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 9)))[1].backward()
+    optimizer.step()
+    state = state_dict(model, optimizer)
+    for name in ("embed.weight", "norm.weight", "norm.bias"):
+        del state["optim"][name]
+    torch_dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    fresh = torch.optim.AdamW(model.parameters())
+    with pytest.raises(checkpoint.CheckpointError, match=r"holds no optimizer state for embed\.weight, norm\.bias"):
+        sharded_checkpoint.load(model, fresh, str(tmp_path / "dcp"))
+    assert not fresh.state  # refused before any moment was made
+    names = {n for n, _ in model.named_parameters()}
+    with pytest.raises(checkpoint.CheckpointError, match="norm.weight"):  # a whole model's worker's load, alike
+        sharded_checkpoint.check_optimizer_state(names, set(whole_state(str(tmp_path / "dcp"))["optim"]), "x")

@@ -201,7 +201,7 @@ def _trial(params: dict, base: dict, root: str, train: Callable[..., dict]) -> N
         "checkpoint.uri": None,
     }
     cfg = override(Config.model_validate(base), {**params, **fixed})
-    resume = run_dir.exists() and checkpoint.load_latest(str(run_dir / "checkpoints")) is not None
+    resume = run_dir.exists() and checkpoint.newest_meta(str(run_dir / "checkpoints")) is not None
     if run_dir.exists() and not resume:
         shutil.rmtree(run_dir)  # died before its first checkpoint: start it over
     if not resume:
@@ -214,7 +214,8 @@ def _trial(params: dict, base: dict, root: str, train: Callable[..., dict]) -> N
         tune.report({METRIC: float(e["eval_loss"]), "step": int(e["step"])})
         reported.append(e["step"])
 
-    train(cfg, run_dir, resume=resume, progress=False, on_eval=report)
+    # a retried trial whose checkpoints all fail verification starts over (its resume record names them)
+    train(cfg, run_dir, resume=resume, progress=False, on_eval=report, restart_if_corrupt=True)
     if not reported:  # resumed after its last evaluation (killed while finishing): report that one
         evals = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
         if evals:

@@ -96,10 +96,11 @@ class DataParallel(Engine):
                 self.sync.drop()
         plain = make_optimizer(self.model, self.cfg.optim)
         if "dcp" in state:  # a sharded run's checkpoint: the whole state, gathered from its files
-            from app.core.sharded_checkpoint import whole_state  # torch DCP: imported only for one
+            from app.core.sharded_checkpoint import check_optimizer_state, whole_state  # torch DCP: only for one
 
             whole = whole_state(state["dcp"])
             names = whole_groups(self.cfg.model, self.cfg.optim)
+            check_optimizer_state({n for group in names for n in group}, set(whole["optim"]), state["dcp"])
             state |= {
                 "model": whole["model"],
                 "optimizer": as_optimizer_state(whole["optim"], plain.param_groups, names),

@@ -88,15 +88,13 @@ def serialize(state) -> bytes:
 def deserialize(data: bytes, name: str = "a checkpoint part", device: str = "cpu"):
     """A part's tensors and plain values; a pickle that holds anything else (weights_only refuses it) or a file that
     is not torch's as one line naming the part (`name`). `device` meta: the pickle alone, no tensor data read."""
-    import pickle
-
     import torch
 
     try:
         with warnings.catch_warnings():  # a crafted pickle's protocol: the refusal below says all there is
             warnings.simplefilter("ignore")
             return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError) as e:
+    except Exception as e:  # whatever a malformed or crafted file makes the unpickler raise: the file is refused
         raise CheckpointError(f"{name} is not a file of tensors etrain reads: {refusal(e)}") from None
 
 
@@ -207,7 +205,7 @@ def save(uri: str, step: int, parts: dict[str, object], meta: dict, keep: int) -
     path = prepare(uri, step)
     files = {name: write_part(path, name, obj) for name, obj in parts.items()}
     commit(path, {"level": "full", **meta, "step": step}, files)
-    retain(uri, keep)
+    retain(uri, keep, upto=step)
     return path
 
 
@@ -305,18 +303,22 @@ def weights_digest(state: dict) -> str:
     return h.hexdigest()
 
 
-def retain(uri: str, keep: int) -> None:
-    """The last `keep` full checkpoints and the light ones after the newest; debris older than that goes."""
+def retain(uri: str, keep: int, upto: int | None = None) -> None:
+    """The last `keep` full checkpoints and the light ones after the newest; debris older than that goes. `upto`:
+    the step just saved; directories of later steps (a run that went back past them: corrupt ones it skipped, or
+    its own future) are neither counted nor removed, so a skipped one never pushes a good one out."""
     fs, root = fsspec.core.url_to_fs(uri)
     fs.invalidate_cache(root)
-    dirs = _step_dirs(fs, root)
+    dirs = [p for p in _step_dirs(fs, root) if upto is None or _step_of(p) <= upto]
     metas = {p: _quiet_commit(fs, p) for p in dirs}
     fulls = [p for p in dirs if metas[p] and metas[p]["level"] == "full"]
-    lights = [p for p in dirs if metas[p] and metas[p]["level"] == "light" and fulls and p > fulls[-1]]
+    lights = [
+        p for p in dirs if metas[p] and metas[p]["level"] == "light" and fulls and _step_of(p) > _step_of(fulls[-1])
+    ]
     kept = set(fulls[-keep:]) | set(lights[-keep:])
-    newest = max(kept, default=None)
+    newest = max(map(_step_of, kept), default=None)
     for p in dirs:
-        in_flight = metas[p] is None and (newest is None or p > newest)
+        in_flight = metas[p] is None and (newest is None or _step_of(p) > newest)
         if p not in kept and not in_flight:
             fs.rm(p, recursive=True)
 
@@ -390,8 +392,8 @@ def _read_parts(fs, path: str, meta: dict) -> dict[str, bytes]:
             else:
                 data = fs.cat_file(posixpath.join(path, name))
                 digest = hashlib.sha256(data).hexdigest()
-        except FileNotFoundError:
-            raise CheckpointError(f"{name} is missing") from None
+        except (FileNotFoundError, IsADirectoryError):
+            raise CheckpointError(f"{name} is missing (or not a file)") from None
         if digest != expected["sha256"]:
             raise CheckpointError(f"{name} does not match its sha256 (corrupt)")
         if data is None:
@@ -402,8 +404,12 @@ def _read_parts(fs, path: str, meta: dict) -> dict[str, bytes]:
     if DCP in parts:  # its index, read as the ranks will read it: a file that would build anything else is refused
         from app.core.sharded_checkpoint import METADATA, read_metadata
 
-        with fs.open(posixpath.join(path, DCP, METADATA), "rb") as f:
-            read_metadata(f"{DCP}/{METADATA}", f)
+        index = f"{DCP}/{METADATA}"
+        if index not in meta["files"]:
+            raise CheckpointError(f"{COMMIT} lists DCP files but not their index {index}")
+        hashed = {posixpath.basename(n) for n in meta["files"] if n.startswith(DCP + "/")}
+        with fs.open(posixpath.join(path, index), "rb") as f:
+            read_metadata(index, f, hashed)
     return parts
 
 
@@ -453,21 +459,21 @@ def _not_a_commit(meta, directory: str) -> str | None:
         return f"holds a {type(meta).__name__}, not an object"
     if meta.get("level") not in ("full", "light"):
         return f"level is {meta.get('level')!r}, not full or light"
-    if not _count(meta.get("step")) or f"step-{meta['step']:08d}" != directory:
-        return f"step is {meta.get('step')!r}, not the step of its directory {directory}"
+    if not _count(meta.get("step")):
+        return f"step is {meta.get('step')!r}, not a step number"
+    if _STEP_DIR.fullmatch(directory) and f"step-{meta['step']:08d}" != directory:  # one copied aside may be renamed
+        return f"step is {meta['step']!r}, not the step of its directory {directory}"
     if "cursor" in meta and not _count(meta["cursor"]):
         return f"cursor is {meta['cursor']!r}, not a whole number of samples >= 0"
     if meta["level"] == "light" and not (
-        isinstance(meta.get("base"), str)
-        and re.fullmatch(r"step-\d{8}", meta["base"])
-        and _count(meta.get("base_step"))
+        isinstance(meta.get("base"), str) and _STEP_DIR.fullmatch(meta["base"]) and _count(meta.get("base_step"))
     ):
         return f"base is {meta.get('base')!r}, not a step directory beside it"
     files = meta.get("files")
     if not isinstance(files, dict) or not files:
         return "files is not a mapping of its parts"
     for name, info in files.items():
-        if not _PART.fullmatch(name):
+        if not _PART.fullmatch(name) or name == DCP:
             return f"names a part {name!r}, which is not a file of its step directory"
         if not (isinstance(info, dict) and _count(info.get("bytes")) and _SHA256.fullmatch(str(info.get("sha256")))):
             return f"part {name} has no size and sha256"
@@ -480,7 +486,12 @@ def _count(value) -> bool:
 
 
 def _step_dirs(fs, root: str) -> list[str]:
+    """The step directories under `root`, oldest step first (by number: step-100000000 after step-99999999)."""
     if not fs.exists(root):
         return []
     names = [p.rstrip("/") for p in fs.ls(root, detail=False)]
-    return sorted(p for p in names if posixpath.basename(p).startswith("step-") and not p.endswith(".tmp"))
+    return sorted((p for p in names if _STEP_DIR.fullmatch(posixpath.basename(p))), key=_step_of)
+
+
+def _step_of(path: str) -> int:
+    return int(posixpath.basename(path)[len("step-") :])

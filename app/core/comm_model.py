@@ -49,9 +49,8 @@ def seconds(nbytes: float, world: int, gbps: float, latency_ms: float, collectiv
 def gradient_sync_s(grad_bytes: float, bucket_mb: float, world: int, gbps: float, latency_ms: float) -> float:
     """A dense step's gradient all-reduce on such a link, DDP's way: a first bucket of 1 MB, then buckets of
     `bucket_mb`, each its own collective (each pays the ring's latency), all through the one link."""
-    first, rest = min(grad_bytes, 2**20), max(0.0, grad_bytes - 2**20)
-    buckets = 1 + math.ceil(rest / (bucket_mb * 2**20))
-    return buckets * hops(world) * latency_ms / 1e3 + seconds(first + rest, world, gbps, 0.0)
+    buckets = 1 + math.ceil(max(0.0, grad_bytes - 2**20) / (bucket_mb * 2**20))
+    return buckets * hops(world) * latency_ms / 1e3 + seconds(grad_bytes, world, gbps, 0.0)
 
 
 def advise(train: list[dict], topk_ratio: float = 0.1, inner_steps: int = 16, gathered: bool = False) -> dict | None:

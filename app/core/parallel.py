@@ -288,6 +288,16 @@ class Replica:
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, chunk: int) -> float:
         """The mean loss over this replica's `x`, forward only: hidden states go from stage to stage by
         send and receive, micro-batch by micro-batch; known on every rank of the replica."""
+        try:
+            return self._evaluate(x, y, chunk)
+        finally:
+            if isinstance(self.model, FSDPModule):
+                # FSDP's root keeps the parameters it gathered after a forward alone (a backward would reshard
+                # them): until then they are not the tensors the optimizer's state is keyed by, and a save would
+                # leave the embedding's and final norm's moments out
+                self.model.reshard()
+
+    def _evaluate(self, x: torch.Tensor, y: torch.Tensor, chunk: int) -> float:
         pp = self.mesh["pp"].get_group() if self.cfg.pp > 1 else None
         first, last = self.at.stage == 0, self.at.stage == self.cfg.pp - 1
         total = torch.zeros((), dtype=torch.float64, device=x.device)
@@ -304,11 +314,6 @@ class Replica:
                 total += next_token_loss(h, ys).double() * len(xs)
         if pp is not None:
             dist.all_reduce(total, group=pp)  # only the last stage's is non-zero
-        if isinstance(self.model, FSDPModule):
-            # FSDP's root keeps the parameters it gathered after a forward alone (a backward would reshard them):
-            # until then they are not the tensors the optimizer's state is keyed by, and a save would leave the
-            # embedding's and final norm's moments out
-            self.model.reshard()
         return total.item() / len(x)
 
     def _over_replicas(self, mean: torch.Tensor) -> float:

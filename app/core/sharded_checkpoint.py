@@ -24,7 +24,14 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from app.core.checkpoint import DCP, CheckpointError, file_digest, refusal
@@ -81,16 +88,18 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str, tie
     state, made at the next step (a rollback to it once asked for the moments the live optimizer held)."""
     reader = _reader(uri)
     saved = reader.read_metadata().state_dict_metadata
-    if not _optimizer_held(saved):
+    held = _optimizer_held(saved)
+    if not held:
         optimizer.state.clear()
         _load({"model": model.state_dict()}, reader)
         return
+    trainable = {optim_name(name, tied) for name, p in model.named_parameters() if p.requires_grad}
+    check_optimizer_state(trainable, held, uri)
     for name, p in model.named_parameters():  # AdamW's state is made lazily: room for what the checkpoint holds
         prefix = f"optim.{optim_name(name, tied)}."
         keys = {k.rsplit(".", 1)[1] for k in saved if k.startswith(prefix)}
         if keys and p not in optimizer.state:
             optimizer.state[p] = {k: _like(p, saved[prefix + k]) for k in keys}
-    _check_optimizer_state(model, saved, tied, uri)
     _load(state_dict(model, optimizer, tied), reader)
 
 
@@ -145,12 +154,11 @@ def whole_state(uri: str) -> dict:
     return state
 
 
-def _check_optimizer_state(model: torch.nn.Module, saved: dict, tied: bool, uri: str) -> None:
-    """A checkpoint with optimizer state holds it for every trainable parameter (none: a run's first save, before
-    its first step): a part missing would start those moments afresh, and the run leave its trajectory unnoticed."""
-    held = _optimizer_held(saved)
-    trainable = {optim_name(name, tied) for name, p in model.named_parameters() if p.requires_grad}
-    if missing := sorted(trainable - held):
+def check_optimizer_state(trainable: set[str], held: set[str], uri: str) -> None:
+    """A checkpoint with optimizer state holds it for every trainable parameter (`held`: those it has; none at all:
+    a run's first save, before its first step): a part missing would start those moments afresh, and the run leave
+    its trajectory unnoticed. Both loads hold to it: a layout's rank, and a whole model's worker."""
+    if held and (missing := sorted(trainable - held)):
         raise CheckpointError(
             f"{uri} holds no optimizer state for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}: "
             "resuming from it would start their moments afresh; move this checkpoint's step directory aside and "
@@ -217,36 +225,65 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("it holds a persistent id, which a checkpoint's metadata never does")
 
 
-def read_metadata(path: str, stream) -> Metadata:
+def read_metadata(path: str, stream, files: set[str] | None = None) -> Metadata:
     """DCP's metadata from `stream` (the file `path`), built from ALLOWED alone and checked to describe tensors in
-    this directory's `.distcp` files and nothing else; CheckpointError naming the file otherwise."""
+    this directory's `.distcp` files (`files`, when the commit says which) and nothing else; CheckpointError naming
+    the file otherwise."""
     try:
         metadata = _MetadataUnpickler(stream).load()
     except Exception as e:  # a refused class, or any malformed pickle: the file is not a checkpoint's metadata
         raise CheckpointError(f"{path} is not a DCP metadata file this version reads: {e}") from None
-    if why := _not_tensor_metadata(metadata):
+    if why := _not_tensor_metadata(metadata, files):
         raise CheckpointError(f"{path} is not a DCP metadata file this version reads: {why}")
     return metadata
 
 
-def _not_tensor_metadata(metadata) -> str | None:
-    """What makes `metadata` something other than the index of a save of tensors, or None."""
+def _not_tensor_metadata(metadata, files: set[str] | None) -> str | None:
+    """What makes `metadata` something other than the index of a save of tensors, or None: its classes and types,
+    the files its reads point at, and each tensor no larger than the bytes stored for it (a crafted size would
+    have a reader allocate it)."""
     if type(metadata) is not Metadata or not isinstance(metadata.state_dict_metadata, dict):
         return f"it holds a {type(metadata).__name__}, not a Metadata"
-    for key, entry in metadata.state_dict_metadata.items():
-        if not isinstance(key, str) or type(entry) is not TensorStorageMetadata:
-            return f"its entry {key!r} is a {type(entry).__name__}, not a tensor's"
+    if not (metadata.storage_meta is None or type(metadata.storage_meta) is StorageMeta):
+        return "its storage_meta is not DCP's"
     if not isinstance(metadata.storage_data, dict):
         return "its storage index is not a mapping"
+    stored: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
-        if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
+        if type(index) is not MetadataIndex or type(info) is not _StorageInfo or not isinstance(index.fqn, str):
             return "its storage index holds something other than DCP's index entries"
         if not (isinstance(info.relative_path, str) and _FILE.fullmatch(info.relative_path)):
             return f"it points a read at {info.relative_path!r}, not one of the checkpoint's .distcp files"
+        if files is not None and info.relative_path not in files:
+            return f"it points a read at {info.relative_path}, which the checkpoint's commit does not list"
         if not all(type(n) is int and n >= 0 for n in (info.offset, info.length)):
             return f"its entry for {index.fqn!r} has a negative or non-integer offset or length"
         if info.transform_descriptors:
             return f"its entry for {index.fqn!r} asks for transforms ({info.transform_descriptors}), never written here"
+        stored[index.fqn] = stored.get(index.fqn, 0) + info.length
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(key, str) or type(entry) is not TensorStorageMetadata:
+            return f"its entry {key!r} is a {type(entry).__name__}, not a tensor's"
+        if why := _not_a_tensor_entry(entry):
+            return f"its entry {key!r} {why}"
+        if entry.size.numel() * entry.properties.dtype.itemsize > stored.get(key, 0):
+            return f"its entry {key!r} claims {tuple(entry.size)}, more than the bytes stored for it"
+    return None
+
+
+def _not_a_tensor_entry(entry: TensorStorageMetadata) -> str | None:
+    """What makes a tensor's entry other than DCP writes it: a torch.Size of counts, DCP's properties with a dtype,
+    a list of chunks of sizes and offsets."""
+    if type(entry.size) is not torch.Size or any(type(n) is not int or n < 0 for n in entry.size):
+        return "has a size that is not a torch.Size of counts"
+    if type(entry.properties) is not TensorProperties or not isinstance(entry.properties.dtype, torch.dtype):
+        return "has no dtype"
+    chunks = entry.chunks
+    if not isinstance(chunks, list) or any(
+        type(c) is not ChunkStorageMetadata or type(c.sizes) is not torch.Size or type(c.offsets) is not torch.Size
+        for c in chunks
+    ):
+        return "has chunks that are not DCP's"
     return None
 
 
