@@ -63,9 +63,9 @@ def overrides(args) -> list[str]:
 
 def run_ours(args, every: int, extra: tuple[str, ...] = (), ready_pool: bool = True) -> dict:
     """`ready_pool`: each kill waits for a replacement (the bench); without, the group shrinks (the bench's test)."""
-    from app.core.config import load_config
-    from app.core.records import read_jsonl
-    from app.job import new_run_dir, train
+    from etrain.core.config import load_config
+    from etrain.core.records import read_jsonl
+    from etrain.driver.job import new_run_dir, train
 
     wait = ", ready_pool: true" if ready_pool else ""
     kills = ", ".join(f"{{rank: {r}, step: {s}, kind: kill{wait}}}" for s, r in schedule(args, every))
@@ -92,7 +92,7 @@ def run_ours(args, every: int, extra: tuple[str, ...] = (), ready_pool: bool = T
 
 def tokens_per_s(args, times: list[float], first_step_s: float) -> float:
     """Tokens of the committed steps over the training time: the first step's start to the last step's end."""
-    from app.core.config import load_config
+    from etrain.core.config import load_config
 
     seq = load_config("tiny").model.seq_len
     return args.steps * args.batch * seq / (times[-1] - times[0] + first_step_s)
@@ -107,12 +107,12 @@ def ray_train_loop(config: dict) -> None:
     import ray.train.torch
     import torch
 
-    from app.core.config import Config
-    from app.core.model import GPT
-    from app.core.optim import make_optimizer, make_scheduler
     from bench.throughput import ray_train_step
-    from pipelines import order
-    from pipelines.shards import ShardReader, read_manifest
+    from etrain.core.config import Config
+    from etrain.core.model import GPT
+    from etrain.core.optim import make_optimizer, make_scheduler
+    from etrain.data import order
+    from etrain.data.shards import ShardReader, read_manifest
 
     cfg = Config.model_validate(config["cfg"])
     ctx = ray.train.get_context()
@@ -160,8 +160,8 @@ def run_ray_train(args, every: int) -> dict:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from app.core.config import load_config
-    from pipelines.embedded import ensure_corpus
+    from etrain.core.config import load_config
+    from etrain.data.embedded import ensure_corpus
 
     cfg = load_config("tiny", overrides(args))
     manifest = ensure_corpus(cfg)

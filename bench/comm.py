@@ -22,9 +22,9 @@ from pathlib import Path
 import ray
 from rounds import publish
 
-from app.core.config import load_config
-from app.core.records import read_jsonl
-from app.job import new_run_dir, train
+from etrain.core.config import load_config
+from etrain.core.records import read_jsonl
+from etrain.driver.job import new_run_dir, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SLOW = "faults=[{rank: 1, step: 2, kind: slow, factor: 2}]"

@@ -27,10 +27,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import ray
 
-from pipelines import order
-from pipelines.cache import ShardCache
-from pipelines.shards import SplitWriter, decode, read_manifest, write_manifest
-from pipelines.stream import StreamingReader
+from etrain.data import order
+from etrain.data.cache import ShardCache
+from etrain.data.shards import SplitWriter, decode, read_manifest, write_manifest
+from etrain.data.stream import StreamingReader
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SEQ = 128
@@ -158,10 +158,10 @@ def read_ray_data(manifest: str) -> dict:
 
 
 def train_wait_share(bucket: str, tmp: Path) -> dict:
-    from app.core.config import load_config
-    from app.core.records import read_jsonl
-    from app.job import new_run_dir, train
-    from pipelines.embedded import ensure_corpus
+    from etrain.core.config import load_config
+    from etrain.core.records import read_jsonl
+    from etrain.data.embedded import ensure_corpus
+    from etrain.driver.job import new_run_dir, train
 
     base = [f"data.cache_dir={tmp / 'corpus'}", "data.shard_bytes=200000", "data.corpus_bytes=2000000"]
     local = Path(ensure_corpus(load_config("tiny", base))).parent

@@ -65,12 +65,12 @@ def ray_train_loop(config: dict) -> None:
     import ray.train.torch
     import torch
 
-    from app.core.config import Config
-    from app.core.model import GPT
-    from app.core.optim import make_optimizer, make_scheduler
     from bench.throughput import ray_train_step
-    from pipelines import order
-    from pipelines.shards import ShardReader, read_manifest
+    from etrain.core.config import Config
+    from etrain.core.model import GPT
+    from etrain.core.optim import make_optimizer, make_scheduler
+    from etrain.data import order
+    from etrain.data.shards import ShardReader, read_manifest
 
     cfg = Config.model_validate(config["cfg"])
     ctx = ray.train.get_context()
@@ -123,8 +123,8 @@ def run_ray_train(args) -> dict:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from app.core.config import load_config
-    from pipelines.embedded import ensure_corpus
+    from etrain.core.config import load_config
+    from etrain.data.embedded import ensure_corpus
 
     cfg = load_config("tiny", overrides(args))
     manifest = ensure_corpus(cfg)
@@ -163,8 +163,8 @@ def run_ray_train(args) -> dict:
 
 def train_ours_losing_rank_1(args, *sets: str) -> Path:
     """Our run of the tiny GPT (warm pool 1) in which rank 1 dies at step --kill-at; its run directory."""
-    from app.core.config import load_config
-    from app.job import new_run_dir, train
+    from etrain.core.config import load_config
+    from etrain.driver.job import new_run_dir, train
 
     fault = f"faults=[{{rank: 1, step: {args.kill_at}, kind: kill}}]"
     root = f"run.root={tempfile.mkdtemp(prefix='ours-')}"
@@ -175,7 +175,7 @@ def train_ours_losing_rank_1(args, *sets: str) -> Path:
 
 
 def run_ours(args) -> dict:
-    from app.core.records import read_jsonl
+    from etrain.core.records import read_jsonl
 
     records = read_jsonl(train_ours_losing_rank_1(args) / "metrics.jsonl")
     recover = next(r for r in records if r["kind"] == "membership" and r["reason"] == "recover")
@@ -197,7 +197,7 @@ def run_ours_shard(args) -> dict:
     """One replica of shard=2 (FSDP2) loses a rank: no live replica holds its shards, so the run goes back to its
     newest checkpoint (DCP, every --ckpt-every steps as Ray Train's), re-forms with the pool worker and redoes the
     steps since. Measured as Ray Train is: from the failure until the failed step is completed again."""
-    from app.core.records import read_jsonl
+    from etrain.core.records import read_jsonl
 
     run_dir = train_ours_losing_rank_1(args, "parallel.shard=2", f"checkpoint.every={args.ckpt_every}")
     records, set_aside = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "metrics.redone.jsonl")
@@ -258,8 +258,8 @@ def run_ray_train_grow(args) -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from app.core.config import load_config
-    from pipelines.embedded import ensure_corpus
+    from etrain.core.config import load_config
+    from etrain.data.embedded import ensure_corpus
 
     cfg = load_config("tiny", [*overrides(args), "train.steps=100000"])
     work = Path(tempfile.mkdtemp(prefix="raytrain-"))
@@ -292,9 +292,9 @@ def run_ray_train_grow(args) -> dict:
 def run_ours_grow(args) -> dict:
     import ray
 
-    from app.core.config import load_config
-    from app.core.records import read_jsonl
-    from app.job import new_run_dir, train
+    from etrain.core.config import load_config
+    from etrain.core.records import read_jsonl
+    from etrain.driver.job import new_run_dir, train
 
     cfg = load_config(
         "tiny",

@@ -24,10 +24,10 @@ from pathlib import Path
 import ray
 from rounds import summary
 
-from app import api
-from app.core.config import load_config
-from app.core.records import read_jsonl
-from app.job import new_run_dir, train
+from etrain.core.config import load_config
+from etrain.core.records import read_jsonl
+from etrain.driver import api
+from etrain.driver.job import new_run_dir, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -29,13 +29,13 @@ import ray
 import torch
 from rounds import publish, summary
 
-from app.core.config import load_config, override
-from app.core.finetune import build_model, finetune_config
-from app.core.records import read_jsonl
-from app.job import new_run_dir, train
-from pipelines import order
-from pipelines.prepare import prepare
-from pipelines.shards import ShardReader, read_manifest
+from etrain.core.config import load_config, override
+from etrain.core.finetune import build_model, finetune_config
+from etrain.core.records import read_jsonl
+from etrain.data import order
+from etrain.data.prepare import prepare
+from etrain.data.shards import ShardReader, read_manifest
+from etrain.driver.job import new_run_dir, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Each at the best lr of a one-round sweep on this bench (full: 1e-3, 2e-3; LoRA: 1e-2, 2e-2, 4e-2; all-linear LoRA:

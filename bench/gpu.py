@@ -1,16 +1,16 @@
 """One prepared GPU check, without Ray: plain torch against our worker's step on one GPU.
 
 Ray does not travel to the machine that lends a GPU for a few minutes, so this runs a worker's step code as it
-is (actors/worker/compute.py on the data-parallel engine at one rank, with the per-step work the actor adds:
+is (etrain/worker/compute.py on the data-parallel engine at one rank, with the per-step work the actor adds:
 its commit, its report's byte counts and peak memory) against the loop a user would write in plain torch, on the
 same model, weights and rows:
 
-- the GPT of app/configs/gpu-125m.yaml (12 x 768, 1,024 tokens) and a Llama of the same width (GQA, SwiGLU), in bf16
+- the GPT of etrain/configs/gpu-125m.yaml (12 x 768, 1,024 tokens) and a Llama of the same width (GQA, SwiGLU), in bf16
   autocast and in fp16 with GradScaler: tokens/s of ours over plain's, and each one's loss after every step
   (the same code path must give the same losses);
 - plain torch with fused AdamW beside them: what `fused=True` would buy our optimizer (not used yet);
-- MFU of each from the device table (app/core/flops.py);
-- a reading of NVML by the health source the node's telemetry actor uses (app/core/telemetry_sources.py).
+- MFU of each from the device table (etrain/core/flops.py);
+- a reading of NVML by the health source the node's telemetry actor uses (etrain/core/telemetry_sources.py).
 
     python bench/gpu.py                              # on one GPU: about 4 min, writes bench/results/gpu.json
     python bench/gpu.py --device cpu --out ''        # the smoke test: every path on CPU, a tiny model
@@ -33,16 +33,16 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from actors.worker.compute import train_on  # noqa: E402
-from actors.worker.data_parallel import DataParallel  # noqa: E402
-from actors.worker.engine import peak_rss  # noqa: E402
-from actors.worker.injection import Injected  # noqa: E402
-from app.core.config import Config, load_config  # noqa: E402
-from app.core.finetune import build_model  # noqa: E402
-from app.core.flops import flops_per_token, peak_flops  # noqa: E402
-from app.core.model import make_model  # noqa: E402
-from app.core.optim import make_optimizer, make_param_groups, make_scheduler, optimizer_defaults  # noqa: E402
-from app.core.telemetry_sources import NvmlSource  # noqa: E402
+from etrain.core.config import Config, load_config  # noqa: E402
+from etrain.core.finetune import build_model  # noqa: E402
+from etrain.core.flops import flops_per_token, peak_flops  # noqa: E402
+from etrain.core.model import make_model  # noqa: E402
+from etrain.core.optim import make_optimizer, make_param_groups, make_scheduler, optimizer_defaults  # noqa: E402
+from etrain.core.telemetry_sources import NvmlSource  # noqa: E402
+from etrain.worker.compute import train_on  # noqa: E402
+from etrain.worker.data_parallel import DataParallel  # noqa: E402
+from etrain.worker.engine import peak_rss  # noqa: E402
+from etrain.worker.injection import Injected  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "gpu.json"
 MODELS = {"gpt": [], "llama": ["model.family=llama", "model.n_kv_head=4"]}
@@ -80,7 +80,7 @@ def batches(cfg: Config, device: torch.device, count: int) -> list[torch.Tensor]
 
 def ours(cfg: Config, device: torch.device):
     """The worker's step: the engine at rank 0 of a world of 1 (no DDP), compute.py's `train_on`, then what the
-    actor does after it each step (actors/worker/actor.py `train_step`)."""
+    actor does after it each step (etrain/worker/actor.py `train_step`)."""
     engine, injected = DataParallel(cfg, device), Injected()
     engine.join(0, 1)
 

@@ -48,9 +48,9 @@ def run(args, variant: str) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from app.core.config import load_config
-    from app.core.records import read_jsonl
-    from app.job import new_run_dir, train
+    from etrain.core.config import load_config
+    from etrain.core.records import read_jsonl
+    from etrain.driver.job import new_run_dir, train
 
     scenario, mode = variant.split(":")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})

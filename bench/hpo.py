@@ -18,7 +18,7 @@ The objective is the tiny GPT's training (2 layers, width searched, batch 8) on 
 an evaluation every 10. `--objective process` (the default) trains it in the trial's own process (our model,
 optimizer, schedule and sample order in plain torch, one thread, the process reused by the next trial): what
 this measures is the search, and a real job's start-up (three processes, each importing torch) would take
-longer than its training. `--objective job` runs each trial as a real job (app.job.train), as `etrain tune` does.
+longer than its training. `--objective job` runs each trial as a real job (etrain.driver.job), as `etrain tune` does.
 
     python bench/hpo.py [--trials 48] [--seeds 10] [--steps 60] [--variants ...] [--objective process] [--resume]
 """
@@ -37,10 +37,10 @@ from types import SimpleNamespace
 import numpy as np
 import ray
 
-from app.core.config import load_config, override
-from app.core.records import read_jsonl
-from app.job import resolve_data, train
-from tune.search import GRACE, REDUCTION, asha, run_search
+from etrain.core.config import load_config, override
+from etrain.core.records import read_jsonl
+from etrain.driver.job import resolve_data, train
+from etrain.tune.search import GRACE, REDUCTION, asha, run_search
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SPACE = {
@@ -63,10 +63,10 @@ def train_in_process(cfg, run_dir: Path, resume: bool = False, progress: bool = 
     records to RUN_DIR/metrics.jsonl."""
     import torch
 
-    from app.core.model import make_model
-    from app.core.optim import make_optimizer, make_scheduler
-    from pipelines import order
-    from pipelines.shards import ShardReader, read_manifest
+    from etrain.core.model import make_model
+    from etrain.core.optim import make_optimizer, make_scheduler
+    from etrain.data import order
+    from etrain.data.shards import ShardReader, read_manifest
 
     if resume:
         raise ValueError("a trial trained in process keeps no checkpoints: it cannot resume")
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--resume", action="store_true", help="keep the searches --out holds; run the seeds it lacks")
     args = parser.parse_args(argv)
-    from tune.space import parameter
+    from etrain.tune.space import parameter
 
     base = load_config(
         "tiny",

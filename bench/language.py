@@ -1,7 +1,7 @@
 """The language check's cost in `etrain prepare`, side by side in one run, in interleaved rounds:
 
-1. Per document, in this process: the language verdict (pipelines/language.py) against the rest of a document's
-   inspection (normalise, quality filters, MinHash: pipelines/prepare.py `inspect`), on the same documents.
+1. Per document, in this process: the language verdict (etrain/data/language.py) against the rest of a document's
+   inspection (normalise, quality filters, MinHash: etrain/data/prepare.py `inspect`), on the same documents.
 2. End to end: `etrain prepare` of the same corpus with `prepare.languages=[en]` and without, on Ray Data.
 
     python bench/language.py [--docs 3000] [--rounds 3]
@@ -19,9 +19,9 @@ from pathlib import Path
 import ray
 from rounds import summary
 
-from app.core.config import load_config
-from pipelines.language import verdict
-from pipelines.prepare import inspect, prepare
+from etrain.core.config import load_config
+from etrain.data.language import verdict
+from etrain.data.prepare import inspect, prepare
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORDS = {

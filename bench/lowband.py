@@ -2,7 +2,7 @@
 
 The tiny GPT, 2 workers, one local Ray instance. Each gradient-sync mode (dense all-reduce, bf16, top-k and
 PowerSGD with their default dense warm-up, DiLoCo at two values of H) trains the same samples under each simulated
-link (fault kind link, actors/worker/link.py: each collective lasts what a ring over that link would need for the
+link (fault kind link, etrain/worker/link.py: each collective lasts what a ring over that link would need for the
 bytes it really sends) and with none. Dense trains --steps, each other mode 1.5x as many (a schedule that long), so
 that it can reach dense's loss. Per variant:
 
@@ -29,9 +29,9 @@ from pathlib import Path
 import ray
 from rounds import interleaved, publish, summary
 
-from app.core.config import load_config
-from app.core.records import read_jsonl
-from app.job import new_run_dir, train
+from etrain.core.config import load_config
+from etrain.core.records import read_jsonl
+from etrain.driver.job import new_run_dir, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 AVERAGING = ["comm.diloco.outer_lr=1.0", "comm.diloco.outer_momentum=0"]

@@ -44,8 +44,8 @@ FINETUNE = {  # the lrs of bench/finetune.py's sweep on the tiny GPT (full 2e-3,
 def gpt_of_equal_size() -> list[str]:
     """A GPT as deep and wide as LLAMA, its MLP's width chosen so that the two hold the same number of parameters
     (GPT: 4·d with biases and LayerNorms; Llama: SwiGLU's three matrices, GQA's narrower k and v)."""
-    from app.core.config import load_config
-    from app.core.model import make_model
+    from etrain.core.config import load_config
+    from etrain.core.model import make_model
 
     def count(cfg) -> int:
         import torch
@@ -62,7 +62,7 @@ def gpt_of_equal_size() -> list[str]:
 
 
 def speed_config(variant: str, args):
-    from app.core.config import load_config
+    from etrain.core.config import load_config
 
     model = LLAMA if variant != "ours_gpt" else gpt_of_equal_size()
     return load_config(
@@ -78,7 +78,7 @@ def run_plain(args) -> dict:
     import torch
     from throughput import plain_loop
 
-    from app.core.model import make_model
+    from etrain.core.model import make_model
 
     cfg = speed_config("plain_llama", args)
     torch.manual_seed(cfg.train.seed)
@@ -87,9 +87,9 @@ def run_plain(args) -> dict:
 
 
 def run_ours(variant: str, args) -> dict:
-    from app.core.model import make_model
-    from app.core.records import read_jsonl
-    from app.job import new_run_dir, train
+    from etrain.core.model import make_model
+    from etrain.core.records import read_jsonl
+    from etrain.driver.job import new_run_dir, train
 
     cfg = speed_config(variant, args)
     run_dir = new_run_dir(cfg)
@@ -134,7 +134,7 @@ def encode_rates(texts: list[str], tok) -> dict:
     """MB of text per second, each way of encoding the same documents, in this process."""
     import numpy as np
 
-    from pipelines import tokenizer
+    from etrain.data import tokenizer
 
     megabytes = sum(len(t.encode()) for t in texts) / 1e6
     ways = {
@@ -156,9 +156,9 @@ def bench_tokenize(args, root: Path) -> dict:
     import ray
     from finetune import package_descriptions
 
-    from app.core.config import load_config
-    from pipelines import tokenizer
-    from pipelines.prepare import prepare
+    from etrain.core.config import load_config
+    from etrain.data import tokenizer
+    from etrain.data.prepare import prepare
 
     source = package_descriptions(root / "packages.jsonl")
     texts = [json.loads(line)["text"] for line in source.read_text().splitlines()]
@@ -207,10 +207,10 @@ def bench_lora(args, root: Path) -> dict:
     import ray
     from finetune import base_eval_loss, measured, package_descriptions
 
-    from app.core.config import load_config
-    from app.core.finetune import build_model, finetune_config
-    from app.job import new_run_dir, train
-    from pipelines.prepare import prepare
+    from etrain.core.config import load_config
+    from etrain.core.finetune import build_model, finetune_config
+    from etrain.data.prepare import prepare
+    from etrain.driver.job import new_run_dir, train
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
     logging.getLogger("ray.data").setLevel(logging.WARNING)

@@ -25,7 +25,7 @@ from rounds import interleaved, publish, summary
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.core.records import STEP_PARTS, read_jsonl  # noqa: E402
+from etrain.core.records import STEP_PARTS, read_jsonl  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "overhead.json"
 VARIANTS = {"ahead": "train.send_ahead=true", "after": "train.send_ahead=false"}

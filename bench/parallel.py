@@ -1,6 +1,6 @@
 """Model layouts side by side in one run, on one model and one global batch: data parallel only (2 replicas of the
 whole model), tensor parallel (tp=2), pipeline parallel (pp=2, 1F1B and GPipe) and both (tp=2 × pp=2), as gloo
-ranks in processes on this machine (app/core/parallel.py).
+ranks in processes on this machine (etrain/core/parallel.py).
 
 Per rank: parameter and optimizer bytes, the peak of the activations autograd keeps for backward (CPU has no
 allocator statistics: saved tensors are counted as they are packed and freed), and the step time. For the
@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from rounds import summary
 
-from app.core.config import ModelConfig, OptimConfig, ParallelConfig
-from app.core.local_ranks import SavedBytes, local_group, tensor_bytes
-from app.core.model import GPT, next_token_loss
-from app.core.optim import make_optimizer
-from app.core.parallel import Replica, make_mesh
+from etrain.core.config import ModelConfig, OptimConfig, ParallelConfig
+from etrain.core.local_ranks import SavedBytes, local_group, tensor_bytes
+from etrain.core.model import GPT, next_token_loss
+from etrain.core.optim import make_optimizer
+from etrain.core.parallel import Replica, make_mesh
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = ModelConfig(n_layer=4, n_head=8, d_model=256, seq_len=128, vocab_size=256)

@@ -1,6 +1,6 @@
 """Sharded state side by side in one run, on one model and one global batch: data parallel (2 ranks, each the
 whole model), ZeRO-1 (2 ranks, the optimizer state sharded), FSDP2 over 2 and 4 ranks (parallel.shard) and
-tp=2 × shard=2, as gloo ranks in processes on this machine (app/core/parallel.py).
+tp=2 × shard=2, as gloo ranks in processes on this machine (etrain/core/parallel.py).
 
 Per rank: parameter, gradient and optimizer bytes at rest (after an update), the process's peak resident memory
 when its part of the model is made and given its values (a rank that joins: the structure on the meta device, its
@@ -37,13 +37,13 @@ import torch
 import torch.distributed as dist
 from rounds import interleaved, publish, summary
 
-from app.core import sharded_checkpoint
-from app.core.config import ModelConfig, OptimConfig, ParallelConfig
-from app.core.layout_state import full_state, load_full
-from app.core.local_ranks import local_group, tensor_bytes
-from app.core.model import GPT, InitialWeights
-from app.core.optim import make_optimizer, make_param_groups, optimizer_class, optimizer_defaults
-from app.core.parallel import Replica, make_mesh
+from etrain.core import sharded_checkpoint
+from etrain.core.config import ModelConfig, OptimConfig, ParallelConfig
+from etrain.core.layout_state import full_state, load_full
+from etrain.core.local_ranks import local_group, tensor_bytes
+from etrain.core.model import GPT, InitialWeights
+from etrain.core.optim import make_optimizer, make_param_groups, optimizer_class, optimizer_defaults
+from etrain.core.parallel import Replica, make_mesh
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SAVE_FIGURES = (
@@ -163,7 +163,7 @@ def rank_main(rank: int, world: int, layout, steps: int, out: str) -> dict:
 
 def build(rank: int, world: int, layout):
     """The rank's model, optimizer and step: a whole model (DDP's gradient all-reduce), or its part of a replica
-    made as a worker makes it (actors/worker/laid_out.py)."""
+    made as a worker makes it (etrain/worker/laid_out.py)."""
     if layout is None or layout == "zero1":
         from torch.nn.parallel import DistributedDataParallel as DDP
 

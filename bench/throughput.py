@@ -1,7 +1,7 @@
 """Throughput and start-up, side by side: plain torch vs Ray Train's TorchTrainer vs ours.
 
 Every variant trains the same GPT on the same samples (the global order of
-pipelines.order, read from the same shards) with the same global batch, one
+etrain.data.order, read from the same shards) with the same global batch, one
 variant at a time, each in its own fresh process so start-up is measured from
 the process launch. Prints a table and writes bench/results/throughput.json.
 
@@ -46,9 +46,9 @@ def overrides(args, workers: int, cpus: int) -> list[str]:
 
 
 def layout_of(manifest: str, cfg):
-    """The same global sample order as ours (pipelines.order)."""
-    from pipelines import order
-    from pipelines.shards import read_manifest
+    """The same global sample order as ours (etrain.data.order)."""
+    from etrain.data import order
+    from etrain.data.shards import read_manifest
 
     sizes = tuple(s["samples"] for s in read_manifest(manifest)["splits"]["train"]["shards"])
     return order.Layout(cfg.train.seed, sizes, cfg.data.shuffle_shards)
@@ -64,8 +64,8 @@ def steady_tokens_per_s(times: list[float], tokens_per_step: int) -> float:
 def run_plain(args) -> list[float]:
     import torch
 
-    from app.core.config import load_config
-    from app.core.model import GPT
+    from etrain.core.config import load_config
+    from etrain.core.model import GPT
 
     cfg = load_config("tiny", overrides(args, 1, args.cpus))
     torch.manual_seed(cfg.train.seed)
@@ -78,10 +78,10 @@ def plain_loop(cfg, model, threads: int) -> list[float]:
     import numpy as np
     import torch
 
-    from app.core.optim import make_optimizer, make_scheduler
-    from pipelines import order
-    from pipelines.embedded import ensure_corpus
-    from pipelines.shards import ShardReader
+    from etrain.core.optim import make_optimizer, make_scheduler
+    from etrain.data import order
+    from etrain.data.embedded import ensure_corpus
+    from etrain.data.shards import ShardReader
 
     torch.set_num_threads(threads)
     manifest = ensure_corpus(cfg)
@@ -108,10 +108,10 @@ def ray_train_loop(config: dict) -> None:
     import ray.train.torch
     import torch
 
-    from app.core.config import Config
-    from app.core.model import GPT
-    from app.core.optim import make_optimizer, make_scheduler
-    from pipelines.shards import ShardReader
+    from etrain.core.config import Config
+    from etrain.core.model import GPT
+    from etrain.core.optim import make_optimizer, make_scheduler
+    from etrain.data.shards import ShardReader
 
     cfg = Config.model_validate(config["cfg"])
     ctx = ray.train.get_context()
@@ -136,7 +136,7 @@ def ray_train_step(model, optimizer, scheduler, reader, layout, cfg, step: int, 
     import numpy as np
     import torch
 
-    from pipelines import order
+    from etrain.data import order
 
     ids = order.take(layout, step * cfg.train.global_batch, cfg.train.global_batch)
     mine = torch.from_numpy(reader.get(order.split(ids, [1.0] * world)[rank]).astype(np.int64))
@@ -153,8 +153,8 @@ def run_ray_train(args) -> list[float]:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from app.core.config import load_config
-    from pipelines.embedded import ensure_corpus
+    from etrain.core.config import load_config
+    from etrain.data.embedded import ensure_corpus
 
     cfg = load_config("tiny", overrides(args, args.workers, args.cpus))
     manifest = ensure_corpus(cfg)
@@ -172,9 +172,9 @@ def run_ray_train(args) -> list[float]:
 
 
 def run_ours(args) -> list[float]:
-    from app.core.config import load_config
-    from app.core.records import read_jsonl
-    from app.job import new_run_dir, train
+    from etrain.core.config import load_config
+    from etrain.core.records import read_jsonl
+    from etrain.driver.job import new_run_dir, train
 
     cfg = load_config(
         "tiny", [*overrides(args, args.workers, args.cpus), f"run.root={tempfile.mkdtemp(prefix='ours-')}"]

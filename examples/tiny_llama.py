@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from app.core import hf
-from app.core.config import ModelConfig
-from app.core.model import make_model
-from pipelines import tokenizer
+from etrain.core import hf
+from etrain.core.config import ModelConfig
+from etrain.core.model import make_model
+from etrain.data import tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

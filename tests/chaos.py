@@ -46,9 +46,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from app.core import checkpoint  # noqa: E402
-from app.core.config import Config, load_config, override  # noqa: E402
-from app.core.records import read_jsonl  # noqa: E402
+from etrain.core import checkpoint  # noqa: E402
+from etrain.core.config import Config, load_config, override  # noqa: E402
+from etrain.core.records import read_jsonl  # noqa: E402
 
 from runs import interruptible  # noqa: E402
 
@@ -178,7 +178,7 @@ class Campaign:
             *([f"cluster.warm_pool={self.pool}"] if scenario.mode in LAYOUTS else []),
         ]
         if scenario.mode in ("lora", "ppo"):
-            from app.core.finetune import finetune_config
+            from etrain.core.finetune import finetune_config
 
             cfg = finetune_config(str(self.base_run()), None, common)
             if scenario.mode == "ppo":
@@ -208,7 +208,7 @@ class Campaign:
     def base_run(self) -> Path:
         """The trained model LoRA and PPO scenarios start from (trained once per campaign)."""
         if self.base is None:
-            from app.job import new_run_dir, train
+            from etrain.driver.job import new_run_dir, train
 
             cfg = load_config(
                 "tiny",
@@ -298,7 +298,7 @@ class Campaign:
 
         env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONPATH": str(ROOT)}
         proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main())", *argv, "--no-progress"],
+            [sys.executable, "-c", "import sys; from etrain.cli import main; sys.exit(main())", *argv, "--no-progress"],
             cwd=ROOT,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -331,7 +331,7 @@ def act(fault: dict, driver: subprocess.Popen, run_dir: Path) -> None:
         os.kill(json.loads((run_dir / "status.json").read_text())["coordinator_pid"], signal.SIGKILL)
     elif fault["kind"] == "resize":
         subprocess.run(
-            [sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main())", "scale", str(run_dir)]
+            [sys.executable, "-c", "import sys; from etrain.cli import main; sys.exit(main())", "scale", str(run_dir)]
             + ["--workers", str(fault["workers"])],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -513,7 +513,7 @@ def main() -> None:
     from moto.server import ThreadedMotoServer
     from tqdm import tqdm
 
-    from app.core.ports import free_port
+    from etrain.core.ports import free_port
 
     from faults import S3Faults
 

@@ -12,8 +12,8 @@ import random
 import pytest
 import ray
 
-from app.core.config import Config, load_config
-from app.core.ports import free_port
+from etrain.core.config import Config, load_config
+from etrain.core.ports import free_port
 
 from faults import S3Faults
 from runs import FAMILIES, SESSION_SEED

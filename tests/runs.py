@@ -13,10 +13,10 @@ from pathlib import Path
 
 import ray
 
-from app import api
-from app.cli import main
-from app.core.records import read_jsonl
-from app.job import new_run_dir, train
+from etrain.cli import main
+from etrain.core.records import read_jsonl
+from etrain.driver import api
+from etrain.driver.job import new_run_dir, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,7 +89,7 @@ def start_driver(cfg, tmp_path: Path, *args: str) -> subprocess.Popen:
     config = tmp_path / f"{cfg.run.name}.yaml"
     config.write_text(cfg.to_yaml())
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    code = "import sys; from app.cli import main; sys.exit(main())"
+    code = "import sys; from etrain.cli import main; sys.exit(main())"
     return subprocess.Popen(
         [sys.executable, "-c", code, "train", "--config", str(config), "--no-progress", *args],
         cwd=ROOT,

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from app.core import checkpoint
+from etrain.core import checkpoint
 
 
 def main(uri: str, step: int) -> None:

@@ -2,9 +2,9 @@
 
 import pytest
 
-from actors.balance import Balancer
-from app.core.config import BalanceConfig
-from pipelines import order
+from etrain.control.balance import Balancer
+from etrain.core.config import BalanceConfig
+from etrain.data import order
 
 
 def balancer(**kw) -> Balancer:

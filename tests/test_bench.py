@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.core.config import override
-from app.core.records import read_jsonl
+from etrain.core.config import override
+from etrain.core.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -314,7 +314,7 @@ def test_hpo_objective_in_process_is_the_jobs_training(ray_session, make_cfg, tm
     sys.path.insert(0, str(ROOT / "bench"))
     import hpo
 
-    from app.job import resolve_data, train
+    from etrain.driver.job import resolve_data, train
 
     cfg = make_cfg("cluster.num_workers=1", "train.global_batch=8", "train.micro_batch=8", "optim.lr=0.01")
     cfg = override(cfg, {"data.source": resolve_data(cfg)})

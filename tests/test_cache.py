@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import ray
 
-from pipelines import order
-from pipelines.cache import ShardCache
-from pipelines.embedded import ensure_corpus
-from pipelines.shards import ShardError, ShardReader, read_manifest
-from pipelines.stream import StreamingReader
+from etrain.data import order
+from etrain.data.cache import ShardCache
+from etrain.data.embedded import ensure_corpus
+from etrain.data.shards import ShardError, ShardReader, read_manifest
+from etrain.data.stream import StreamingReader
 
 from runs import wait_until
 

@@ -7,8 +7,8 @@ import hostile
 import pytest
 import torch
 
-from app.core import checkpoint
-from app.core.errors import UsageError
+from etrain.core import checkpoint
+from etrain.core.errors import UsageError
 
 
 def parts(value: float) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from app.core import checkpoint
+from etrain.core import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from actors.control import JobError
-from app.core import checkpoint
-from app.core.storage import StorageError
-from app.job import new_run_dir, train
+from etrain.control.control import JobError
+from etrain.core import checkpoint
+from etrain.core.storage import StorageError
+from etrain.driver.job import new_run_dir, train
 
 from faults import immutable
 from runs import FAST, records

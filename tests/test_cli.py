@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import _parser, main
+from etrain.cli import _parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("argv", [["--help"], ["config", "-c", "tiny"], ["status", "--help"], ["train", "--help"]])
 def test_the_cli_loads_neither_ray_nor_torch_to_answer(argv):
     code = (
-        f"import sys; from app.cli import main\ntry: main({argv!r})\nexcept SystemExit: pass\n"
+        f"import sys; from etrain.cli import main\ntry: main({argv!r})\nexcept SystemExit: pass\n"
         "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -1,7 +1,7 @@
 """End to end on a real Ray head with the real autoscaler (fake multi-node provider), token auth on:
 `ray job submit` runs `etrain train`, the autoscaler adds a node, a warm worker starts there and
 joins the running job, a worker SIGKILLed from outside does not fail the job, a preemption notice
-moves workers off a node. The head is app/local_cluster.py's (what `etrain cluster up` starts)."""
+moves workers off a node. The head is etrain/driver/local_cluster.py's (what `etrain cluster up` starts)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from app.core.records import read_jsonl
-from app.local_cluster import LocalCluster
+from etrain.core.records import read_jsonl
+from etrain.driver.local_cluster import LocalCluster
 
 from runs import wait_until
 
-STATUS = "import json, sys; from app import api; print(json.dumps(api.status(sys.argv[1])))"
+STATUS = "import json, sys; from etrain.driver import api; print(json.dumps(api.status(sys.argv[1])))"
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def wait_job(cluster: LocalCluster, job: str, timeout: float = 300) -> str:
 
 
 def status(cluster: LocalCluster, job: str) -> dict:
-    """What `app.api.status` says about the running job, asked from a fresh process as a user would."""
+    """What `etrain.driver.api.status` says about the running job, asked from a fresh process as a user would."""
     return json.loads(cluster.run("python", "-c", STATUS, job).stdout)
 
 
@@ -206,8 +206,8 @@ def test_cluster_up_env_and_down_start_and_stop_exactly_one_head(tmp_path, monke
     need, and a stop that leaves none of its processes (and touches no other Ray). Issue 41, defect 8: every
     endpoint of it listens on 127.0.0.1 alone (the autoscaler's and the dashboard's Prometheus metrics, which take
     no token, were on 0.0.0.0 at Ray's fixed ports 44217 and 44227)."""
-    from app import local_cluster
-    from app.cli import main
+    from etrain.cli import main
+    from etrain.driver import local_cluster
 
     monkeypatch.setattr(local_cluster, "STATE", tmp_path / "cluster.json")
     assert main(["cluster", "up"]) == 0

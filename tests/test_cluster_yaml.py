@@ -31,7 +31,7 @@ def test_schema_check_is_real():
 
 def test_cluster_keeps_the_warm_pool_on_running_nodes():
     """One GPU worker per node: min_workers holds the job and its pool, max_workers its autoscaling room."""
-    from app.core.config import load_config
+    from etrain.core.config import load_config
 
     nodes = yaml.safe_load(CLUSTER.read_text())["available_node_types"]
     cfg = load_config("gpu-125m").cluster

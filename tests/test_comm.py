@@ -11,13 +11,13 @@ import ray
 import torch
 from test_training import form_group
 
-from actors.worker import assemble, spawn
-from app.core import checkpoint
-from app.core.checkpoint import deserialize, load_latest
-from app.core.model import GPT
-from app.core.optim import lr_factor
-from app.job import train
-from pipelines.embedded import ensure_corpus
+from etrain.core import checkpoint
+from etrain.core.checkpoint import deserialize, load_latest
+from etrain.core.model import GPT
+from etrain.core.optim import lr_factor
+from etrain.data.embedded import ensure_corpus
+from etrain.driver.job import train
+from etrain.worker import assemble, spawn
 
 from runs import drawn, records, run, run_scaled
 
@@ -195,7 +195,7 @@ def test_the_report_says_a_slow_link_bounds_a_run_and_its_absence_does_not(make_
     """Issue 31: the advice on real runs. Under a simulated link slow enough that a dense step's bytes take several
     times the tiny model's compute, communication bounds the run and DiLoCo is the fastest mode by the model; the
     same run without a link is told nothing would pay."""
-    from app.report import write_report
+    from etrain.driver.report import write_report
 
     gbps = float(rng.choice([0.02, 0.03, 0.05]))
     print(f"link {gbps} Gbit/s")

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from actors.worker.compress import SEGMENT, GradSync, topk_compress, topk_decompress, topk_kept
+from etrain.worker.compress import SEGMENT, GradSync, topk_compress, topk_decompress, topk_kept
 
 WORLD = 2
 BUCKET_MB = 0.1  # two buckets once DDP rebuilds them after step 0; the 256x256 one spans three top-k segments

@@ -2,8 +2,8 @@ import re
 
 import pytest
 
-from app.cli import main
-from app.core.config import PRESET_DIR, ConfigError, load_config
+from etrain.cli import main
+from etrain.core.config import PRESET_DIR, ConfigError, load_config
 
 
 def test_presets_all_validate():
@@ -122,7 +122,7 @@ def test_config_states_the_models_memory_and_warns_beyond_this_machine(capsys):
 
 
 def test_param_count_matches_the_model():
-    from app.core.model import GPT
+    from etrain.core.model import GPT
 
     for overrides in (
         [],

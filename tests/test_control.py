@@ -2,7 +2,7 @@
 
 import pytest
 
-from actors.control import Observation, State, autoscale, next_state, pool_size
+from etrain.control.control import Observation, State, autoscale, next_state, pool_size
 
 
 def obs(**kw) -> Observation:

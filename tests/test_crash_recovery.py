@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import ray
 
-from actors.control import JobError
-from app.api import NAMESPACE
-from app.core.checkpoint import checkpoint_uri, load_latest
-from app.job import new_run_dir, train
+from etrain.control.control import JobError
+from etrain.core.checkpoint import checkpoint_uri, load_latest
+from etrain.driver.api import NAMESPACE
+from etrain.driver.job import new_run_dir, train
 
 from runs import FAMILIES, FAST, records, start_driver, wait_for_step
 
@@ -130,7 +130,7 @@ def test_a_resume_names_each_corrupt_checkpoint_and_never_trains_from_scratch_in
     parallel run or a sharded one's DCP files) is named on the terminal and in the resume record, and the run goes
     on from the one before. With every checkpoint corrupt, `--resume` stops with exit 2 naming each and trains
     nothing; `--restart-if-corrupt` trains it from step 0."""
-    from app.cli import main
+    from etrain.cli import main
 
     layout = rng.choice([[], ["parallel.shard=2"]])
     cfg = make_cfg(*FAST, "train.steps=8", "checkpoint.every=4", "run.name=corrupt", *layout)

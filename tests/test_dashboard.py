@@ -14,8 +14,8 @@ import threading
 import time
 import urllib.request
 
-from app.cli import main
-from app.job import new_run_dir, train
+from etrain.cli import main
+from etrain.driver.job import new_run_dir, train
 
 from runs import FAST, records
 
@@ -121,7 +121,7 @@ def test_metrics_status_and_report_of_a_live_run(ray_session, make_cfg, capsys):
             f"{name} = {value} was never recorded"
         )
     assert seen["later"] == [[]] * 4, f"series gone from later scrapes: {seen['later']}"
-    # On CPU there is no honest peak: MFU is left out, not shown wrong (app/core/flops.py).
+    # On CPU there is no honest peak: MFU is left out, not shown wrong (etrain/core/flops.py).
     assert ("ray_etrain_mfu", "") not in values and all(r.get("mfu") is None for r in train_records)
     # The histogram holds exactly the recorded gradient norms (its count is the first steps', each bucket
     # theirs), and the exact sum beside it is theirs (Ray exports the histogram's own _sum from midpoints).
@@ -164,7 +164,7 @@ def test_metrics_status_and_report_of_a_live_run(ray_session, make_cfg, capsys):
     assert json.loads(capsys.readouterr().out)["steps"] == cfg.train.steps
     for name in ("loss", "throughput", "data_wait", "world_size", "grad_norm"):
         assert (run_dir / "report" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
-    from app.report import write_report
+    from etrain.driver.report import write_report
 
     report = write_report(run_dir, run_dir / "again")
     assert [label for _, label in report["events"]] == ["scale-out 1→2"]

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from actors.control import JobError
-from actors.worker.actor import step_seed
-from actors.worker.diloco import Diloco
-from actors.worker.injection import Injected
-from app.core import checkpoint
-from app.core.records import read_jsonl
-from app.job import new_run_dir, resolve_data, train
-from pipelines import order
-from pipelines.shards import ShardReader, read_manifest
+from etrain.control.control import JobError
+from etrain.core import checkpoint
+from etrain.core.records import read_jsonl
+from etrain.data import order
+from etrain.data.shards import ShardReader, read_manifest
+from etrain.driver.job import new_run_dir, resolve_data, train
+from etrain.worker.actor import step_seed
+from etrain.worker.diloco import Diloco
+from etrain.worker.injection import Injected
 
 from runs import FAST, records
 

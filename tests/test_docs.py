@@ -1,9 +1,9 @@
 """The README documents what the code defines (unit tier: no Ray, no network, a few seconds).
 
 Each list is derived from the code, never written out here: the config keys by walking the pydantic model tree of
-`app.core.config.Config`; the record kinds and their fields from the dataclasses of `app/core/records.py` (a kind
+`etrain.core.config.Config`; the record kinds and their fields from the dataclasses of `etrain/core/records.py` (a kind
 given as a call argument, `Rewind`'s resume and rollback, from its call sites, by `ast`); the Prometheus names from
-the `ray.util.metrics` constructors anywhere in app/, actors/, pipelines/ and tune/, by `ast`; the commands and
+the `ray.util.metrics` constructors anywhere in etrain/, by `ast`; the commands and
 options from `etrain`'s argparse parser. Each must appear in its reference section of README.md, so a key, kind,
 metric or option added to the code fails here until it is documented. Also: every notebook is described, every bench
 has a section in bench/README.md with its command and results file, and the links between the two resolve.
@@ -23,13 +23,13 @@ import pytest
 from metric_source import declared_metrics
 from pydantic import BaseModel
 
-from app.core import records
-from app.core.config import Config
+from etrain.core import records
+from etrain.core.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 BENCH_README = ROOT / "bench" / "README.md"
-CODE = ("app", "actors", "pipelines", "tune")
+CODE = ("etrain",)
 
 
 def section(path: Path, title: str) -> str:
@@ -97,7 +97,7 @@ def test_every_config_key_is_in_the_readme():
 
 
 def record_classes() -> list[type]:
-    """Every record dataclass of app/core/records.py (those with a `kind`)."""
+    """Every record dataclass of etrain/core/records.py (those with a `kind`)."""
     return [
         cls
         for _, cls in inspect.getmembers(records, inspect.isclass)
@@ -185,7 +185,7 @@ def test_every_exported_metric_is_in_the_readme():
 
 
 def test_every_command_and_option_is_in_the_readme():
-    from app.cli import _parser  # argparse only: commands import what they use when they run
+    from etrain.cli import _parser  # argparse only: commands import what they use when they run
 
     # argparse keeps its subcommands in a private list; nothing public walks them
 

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import ray
 
-from actors.gather import find_lost
-from actors.worker import spawn
-from app import api
-from app.cli import main
-from app.core.optim import lr_factor
-from app.core.records import JOIN_PHASES
-from app.job import new_run_dir, train
-from pipelines.embedded import ensure_corpus
+from etrain.cli import main
+from etrain.control.gather import find_lost
+from etrain.core.optim import lr_factor
+from etrain.core.records import JOIN_PHASES
+from etrain.data.embedded import ensure_corpus
+from etrain.driver import api
+from etrain.driver.job import new_run_dir, train
+from etrain.worker import spawn
 
 from runs import FAMILIES, FAST, drawn, records, run, run_scaled
 

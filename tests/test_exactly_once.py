@@ -1,6 +1,6 @@
 """Exactly once under any history of resizes and restarts (property test).
 
-The coordinator commits a step by advancing its Position by the step's batch (actors/step.py),
+The coordinator commits a step by advancing its Position by the step's batch (etrain/control/step.py),
 plans who reads what with `order.plan_step` at that cursor, and a restart rewinds the Position to
 the last checkpoint's (the steps after it are redone: their updates were lost with the crash).
 This drives that code, with the batch of the world size at each step (`Config.batch_at`, under
@@ -12,9 +12,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.step import Position
-from app.core.config import load_config
-from pipelines import order
+from etrain.control.step import Position
+from etrain.core.config import load_config
+from etrain.data import order
 
 events = st.lists(
     st.one_of(

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.control import JobError
-from app.cli import main
-from app.core import checkpoint
-from app.core.checkpoint import checkpoint_uri, load_latest
-from app.core.config import ConfigError
-from app.core.finetune import build_model, finetune_config, load_trained_state
-from app.core.model import GPT
-from app.job import new_run_dir, train
+from etrain.cli import main
+from etrain.control.control import JobError
+from etrain.core import checkpoint
+from etrain.core.checkpoint import checkpoint_uri, load_latest
+from etrain.core.config import ConfigError
+from etrain.core.finetune import build_model, finetune_config, load_trained_state
+from etrain.core.model import GPT
+from etrain.driver.job import new_run_dir, train
 
 from runs import records, run
 

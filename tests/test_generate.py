@@ -1,4 +1,4 @@
-"""Sampling (app/generate.py): the KV cache gives what recomputing the whole sequence gives, for each family and
+"""Sampling (driver/generate.py): the KV cache gives what recomputing the whole sequence gives, for each family and
 position kind (drawn from a printed seed); a Hugging Face Llama generates what `transformers` generates, greedily;
 `etrain generate` on a Hugging Face directory with its tokenizer; prompts that do not fit are refused."""
 
@@ -12,12 +12,12 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from app.cli import main
-from app.core import hf
-from app.core.config import ConfigError, ModelConfig
-from app.core.model import make_model
-from app.generate import _draw, generate
-from pipelines import tokenizer
+from etrain.cli import main
+from etrain.core import hf
+from etrain.core.config import ConfigError, ModelConfig
+from etrain.core.model import make_model
+from etrain.data import tokenizer
+from etrain.driver.generate import _draw, generate
 
 VARIANTS = {
     "gpt-rotary": dict(),
@@ -72,7 +72,7 @@ def test_a_hugging_face_llama_generates_what_transformers_generates(rng, tmp_pat
     prompt = tok.tokenizer.encode("the cat sat").ids
     # Both stop at the end-of-text token when greedy decoding draws it, and keep it.
     want = theirs.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :].tolist()
-    from app.generate import load
+    from etrain.driver.generate import load
 
     loaded = load(str(tmp_path), torch.device("cpu"))
     assert loaded.codec.eos == tok.eos

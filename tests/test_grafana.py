@@ -1,8 +1,8 @@
-"""`app/configs/grafana/etrain.json` against the metrics `actors/dashboard.py` publishes: no Ray cluster needed.
+"""`configs/grafana/etrain.json` against the metrics `control/dashboard.py` publishes: no Ray cluster needed.
 
 The published metrics are read two ways: by constructing `Dashboard("t")` in a
 child process (`ray.util.metrics` objects can be built without `ray.init`, and the child keeps
-them out of this test session's process), and by parsing `actors/dashboard.py` with `ast`, which
+them out of this test session's process), and by parsing `etrain/control/dashboard.py` with `ast`, which
 also sees metrics created outside `__init__`. Prometheus names follow Ray's exporter: a `ray_`
 prefix, `_total` on Counters, `_bucket`/`_count`/`_sum` on Histograms.
 """
@@ -22,8 +22,8 @@ import pytest
 from metric_source import declared_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-DASHBOARD_JSON = ROOT / "app" / "configs" / "grafana" / "etrain.json"
-DASHBOARD_PY = ROOT / "actors" / "dashboard.py"
+DASHBOARD_JSON = ROOT / "etrain" / "configs" / "grafana" / "etrain.json"
+DASHBOARD_PY = ROOT / "etrain" / "control" / "dashboard.py"
 METRIC = re.compile(r"\bray_etrain_\w+")
 # A metric whose description says it is a share of a whole (0 to 1): Grafana shows it as a percentage.
 FRACTION = re.compile(r"\b(share|utilisation|0 to 1)\b")
@@ -33,7 +33,7 @@ import json
 import ray
 from ray._raylet import Config
 from ray.util.metrics import Metric
-from actors.dashboard import Dashboard
+from etrain.control.dashboard import Dashboard
 
 def walk(value):
     if isinstance(value, Metric):
@@ -104,7 +104,7 @@ def series(every_metric) -> dict[str, tuple[str, tuple[str, ...] | None]]:
 
 
 def parsed_metric_names() -> dict[str, str]:
-    """metric name -> kind, for every Gauge/Counter/Histogram construction in actors/dashboard.py."""
+    """metric name -> kind, for every Gauge/Counter/Histogram construction in etrain/control/dashboard.py."""
     return declared_metrics(ast.parse(DASHBOARD_PY.read_text()), str(DASHBOARD_PY.relative_to(ROOT)))
 
 
@@ -173,7 +173,7 @@ def test_every_query_uses_published_metrics_and_their_tags(dashboard, series):
         used = set(METRIC.findall(expr))
         assert used, f"{panel['title']}: {expr} names no etrain metric"
         unknown = used - set(series)
-        assert not unknown, f"{panel['title']}: {sorted(unknown)} are not published by actors/dashboard.py"
+        assert not unknown, f"{panel['title']}: {sorted(unknown)} are not published by etrain/control/dashboard.py"
         if any(series[s][1] is None for s in used):
             continue  # a metric Dashboard.__init__ does not create: its tag keys are unknown
         tags = {k for s in used for k in series[s][1]} | {"le"}
@@ -185,7 +185,7 @@ def test_every_query_uses_published_metrics_and_their_tags(dashboard, series):
 
 
 def unit_of(series: str, metric: str, kind: str, description: str, expr: str) -> str:
-    """The Grafana unit a Prometheus series calls for, from the metric as actors/dashboard.py defines it."""
+    """The Grafana unit a Prometheus series calls for, from the metric as etrain/control/dashboard.py defines it."""
     if metric.endswith("_seconds"):
         return "s"
     if metric.endswith("_bytes"):

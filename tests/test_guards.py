@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from actors.control import JobError
-from actors.guards import Guards, NormWatch
-from app.core.config import TrainConfig
-from app.core.optim import lr_factor
-from app.job import train
+from etrain.control.control import JobError
+from etrain.control.guards import Guards, NormWatch
+from etrain.core.config import TrainConfig
+from etrain.core.optim import lr_factor
+from etrain.driver.job import train
 
 from runs import FAST, records, run
 
@@ -35,7 +35,7 @@ def test_the_outlier_limit_is_mean_plus_sigmas_after_warmup():
 
 def test_a_step_is_judged_alike_whether_its_predecessors_norm_is_in_or_not():
     """Step n's limit comes from the norms of the steps before n − 1: the coordinator sends n before n − 1's norm
-    is in (actors/step.py); sent after it, n gets the same limit, and so does a run resumed from a checkpoint."""
+    is in (control/step.py); sent after it, n gets the same limit, and so does a run resumed from a checkpoint."""
     rng = random.Random(seed := random.randrange(2**32))
     print("seed", seed)
     guards = Guards(TrainConfig(outlier_warmup=3))

@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from actors.faults import FaultPlan
-from actors.membership import plan_resize
-from actors.worker.injection import Injected, tick
-from app.core.config import ConfigError, Fault, HealthConfig, load_config
-from app.core.health import SOFT, Drift, NodeHealth, Reading, combine
+from etrain.control.faults import FaultPlan
+from etrain.control.membership import plan_resize
+from etrain.core.config import ConfigError, Fault, HealthConfig, load_config
+from etrain.core.health import SOFT, Drift, NodeHealth, Reading, combine
+from etrain.worker.injection import Injected, tick
 
 CFG = HealthConfig()
 
@@ -207,7 +207,7 @@ class Log:
 
 
 def watch(team, *overrides: str, faults=()):
-    from actors.health_watch import HealthWatch
+    from etrain.control.health_watch import HealthWatch
 
     cfg = load_config("tiny", ["health.sources=[]", *overrides])
     return HealthWatch(cfg, team, FaultPlan(list(faults), [].append), log := Log()), log
@@ -258,7 +258,7 @@ def test_observe_scores_and_records_but_never_drains_and_a_node_drained_twice_is
 
 
 def test_a_scripted_drill_replays_its_readings_on_the_node_of_its_rank_labelled_synthetic(tmp_path):
-    from actors.faults import ScriptedTelemetry
+    from etrain.control.faults import ScriptedTelemetry
 
     script = tmp_path / "drill.jsonl"
     script.write_text(
@@ -294,7 +294,7 @@ def test_a_scripted_drill_replays_its_readings_on_the_node_of_its_rank_labelled_
     ],
 )
 def test_a_bad_drill_script_is_refused_naming_the_line_and_what_is_wrong(tmp_path, text, named):
-    from app.core.health import read_script
+    from etrain.core.health import read_script
 
     script = tmp_path / "drill.jsonl"
     script.write_text(text + "\n")

@@ -9,12 +9,12 @@ import os
 
 import pytest
 
-from app.cli import main
-from app.core import checkpoint
-from app.core.config import load_config, override
-from app.core.model import GPT, make_model
-from app.core.ports import free_port
-from app.export import export
+from etrain.cli import main
+from etrain.core import checkpoint
+from etrain.core.config import load_config, override
+from etrain.core.model import GPT, make_model
+from etrain.core.ports import free_port
+from etrain.driver.export import export
 
 
 def train(tmp_path, *sets: str) -> int:
@@ -112,8 +112,8 @@ def test_a_finished_run_whose_final_checkpoint_is_corrupt_may_resume(finished_ru
     """`--resume` of a finished run is refused (nothing to train), but not when its final checkpoint fails
     verification: then the run did not keep its end, and the resume goes back past it (naming it) and trains the
     steps again, instead of telling the user to raise train.steps."""
-    from app.core.config import ConfigError
-    from app.job import check_resume
+    from etrain.core.config import ConfigError
+    from etrain.driver.job import check_resume
 
     cfg = load_config(str(finished_run / "config.yaml"), [])
     with pytest.raises(ConfigError, match="has trained all of its train.steps=7"):

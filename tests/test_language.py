@@ -1,4 +1,4 @@
-"""The language-consistency check of `etrain prepare` (pipelines/language.py): the verdict on a document, and the
+"""The language-consistency check of `etrain prepare` (etrain/data/language.py): the verdict on a document, and the
 counts of a real prepare run on Ray Data."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from app.cli import main
-from app.core.config import ConfigError, load_config
-from pipelines.language import chunks, verdict
-from pipelines.prepare import prepare
+from etrain.cli import main
+from etrain.core.config import ConfigError, load_config
+from etrain.data.language import chunks, verdict
+from etrain.data.prepare import prepare
 
 EN = [
     "The river rose through the night and by morning the low fields beside the old mill were under water, so the "

@@ -1,4 +1,4 @@
-"""A run's lease (app/core/lease.py) on local disk and on S3: one owner, stale owners taken over, a lost lease
+"""A run's lease (etrain/core/lease.py) on local disk and on S3: one owner, stale owners taken over, a lost lease
 noticed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 import fsspec
 import pytest
 
-from app.core import lease
+from etrain.core import lease
 
 
 @pytest.fixture(params=["local", "s3"])

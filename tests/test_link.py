@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from actors.control import due
-from actors.faults import FaultPlan
-from actors.outer_steps import OuterSteps
-from actors.step import Position
-from actors.worker.link import Link
-from app.core.comm_model import advise, seconds, wire_bytes
-from app.core.config import ConfigError, load_config
-from pipelines import order
+from etrain.control.control import due
+from etrain.control.faults import FaultPlan
+from etrain.control.outer_steps import OuterSteps
+from etrain.control.step import Position
+from etrain.core.comm_model import advise, seconds, wire_bytes
+from etrain.core.config import ConfigError, load_config
+from etrain.data import order
+from etrain.worker.link import Link
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
-from app.core import checkpoint, hf
-from app.core.config import ConfigError
-from app.core.model import make_model
+from etrain.core import checkpoint, hf
+from etrain.core.config import ConfigError
+from etrain.core.model import make_model
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -113,7 +113,7 @@ def test_what_the_model_does_not_implement_is_refused_by_name(change, named, rng
 def test_a_sliding_window_is_the_models_context(rng, tmp_path):
     """Mistral's sliding window shorter than its positions: within the window the attention is full, so the model
     reads with the window as its sequence length, gives transformers' logits there, and a longer run is refused."""
-    from app.core.finetune import finetune_config
+    from etrain.core.finetune import finetune_config
 
     config = tiny_config("MistralForCausalLM", rng)
     config.sliding_window = window = rng.choice([16, 24, 32])
@@ -135,7 +135,7 @@ def test_a_hugging_face_directory_is_a_fine_tuning_base(rng, tmp_path):
     """`etrain finetune --from DIR`: the run takes the directory's model (shorter sequences allowed, nothing else
     changed), records the weights' digest (read a tensor at a time), and builds the model with its weights; a longer
     sequence, another model or a changed file is refused by name."""
-    from app.core.finetune import build_model, check_base, finetune_config
+    from etrain.core.finetune import build_model, check_base, finetune_config
 
     architecture = rng.choice(ARCHITECTURES)
     theirs = reference(architecture, tiny_config(architecture, rng), rng.randrange(2**31))
@@ -163,7 +163,7 @@ def test_a_hugging_face_directory_is_a_fine_tuning_base(rng, tmp_path):
 
 
 def test_the_family_keys_are_checked_and_a_gpt_runs_identity_is_unchanged():
-    from app.core.config import load_config
+    from etrain.core.config import load_config
 
     gpt = load_config("tiny", [])
     body = gpt.model_dump()
@@ -188,8 +188,8 @@ def test_the_family_keys_are_checked_and_a_gpt_runs_identity_is_unchanged():
 def test_export_writes_a_llama_run_for_transformers_and_refuses_a_gpt_one(rng, tmp_path, capsys):
     """`etrain export --format hf` on a run's newest checkpoint (a run directory written here: config.yaml and a
     committed checkpoint), and `etrain generate` on the same run with its data's tokenizer (bytes)."""
-    from app.cli import main
-    from app.core.config import load_config
+    from etrain.cli import main
+    from etrain.core.config import load_config
 
     for family in ("gpt", "llama"):
         extra = ["model.n_kv_head=2", f"model.tie_weights={rng.random() < 0.5}"] if family == "llama" else []
@@ -222,9 +222,9 @@ def test_a_hugging_face_directory_on_s3_is_read_a_tensor_at_a_time(s3_bucket, s3
     counted at the S3 server), the same digest; its tokenizer reads; a file cut short is refused naming it."""
     import fsspec
 
-    from app.core.finetune import check_base, finetune_config
-    from app.generate import load
-    from pipelines import tokenizer
+    from etrain.core.finetune import check_base, finetune_config
+    from etrain.data import tokenizer
+    from etrain.driver.generate import load
 
     architecture = rng.choice(ARCHITECTURES)
     theirs = reference(architecture, tiny_config(architecture, rng), rng.randrange(2**31))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.cli import main
-from app.core import checkpoint
-from app.core.config import ConfigError, load_config, override
-from app.core.finetune import (
+from etrain.cli import main
+from etrain.core import checkpoint
+from etrain.core.config import ConfigError, load_config, override
+from etrain.core.finetune import (
     base_weights,
     build_model,
     check_base,
@@ -17,9 +17,9 @@ from app.core.finetune import (
     load_trained_state,
     trained_state,
 )
-from app.core.lora import LoRALinear, add_adapters, merged_state
-from app.core.model import GPT
-from app.core.optim import make_optimizer
+from etrain.core.lora import LoRALinear, add_adapters, merged_state
+from etrain.core.model import GPT
+from etrain.core.optim import make_optimizer
 
 CFG = load_config("tiny")
 TOKENS = torch.randint(0, CFG.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.membership import plan_resize, twin, whole_replicas
-from actors.pool import surplus
+from etrain.control.membership import plan_resize, twin, whole_replicas
+from etrain.control.pool import surplus
 
 NODES = {"w0": "n0", "w1": "n1", "w2": "n1", "w3": "n2"}
 

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from app.cli import main
-from app.core.config import load_config
-from app.core.model import GPT, make_model
+from etrain.cli import main
+from etrain.core.config import load_config
+from etrain.core.model import GPT, make_model
 
 
 @pytest.mark.parametrize("positions", ["rotary", "learned"])

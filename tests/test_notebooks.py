@@ -15,11 +15,11 @@ import yaml
 from nbclient import NotebookClient
 from tokenizers import Tokenizer
 
-from app.core import checkpoint
-from app.core.checkpoint import checkpoint_uri, load_latest
-from app.core.config import validate
-from app.core.finetune import build_model, load_trained_state
-from app.core.records import read_jsonl
+from etrain.core import checkpoint
+from etrain.core.checkpoint import checkpoint_uri, load_latest
+from etrain.core.config import validate
+from etrain.core.finetune import build_model, load_trained_state
+from etrain.core.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.core.config import ConfigError, load_config
-from app.core.model import GPT
-from app.core.optim import lr_factor, make_optimizer, make_scheduler
+from etrain.core.config import ConfigError, load_config
+from etrain.core.model import GPT
+from etrain.core.optim import lr_factor, make_optimizer, make_scheduler
 
 
 @pytest.mark.parametrize("t_0, t_mult", [(7, 1), (5, 2), (3, 3)])

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from pipelines import order
+from etrain.data import order
 
 LAYOUT = order.Layout(seed=3, sizes=(7, 5, 9, 4, 6), block=2)
 

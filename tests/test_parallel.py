@@ -1,4 +1,4 @@
-"""Tensor and pipeline parallelism (app/core/parallel.py) against one process: gloo ranks in processes on this
+"""Tensor and pipeline parallelism (etrain/core/parallel.py) against one process: gloo ranks in processes on this
 machine, the same model, seed and global batch; losses step by step, and the first step's gradients tensor by
 tensor (TP's backward collectives, the pipeline's, the tied weights' and the replicas' all-reduce)."""
 
@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from app.cli import main
-from app.core import hf, sharded_checkpoint
-from app.core.config import ModelConfig, OptimConfig, ParallelConfig, load_config
-from app.core.layout_state import full_state, load_full, whole
-from app.core.local_ranks import local_group, rank_context
-from app.core.model import GPT, InitialWeights, make_model
-from app.core.optim import make_optimizer
-from app.core.parallel import Replica, make_mesh, stage_layers
+from etrain.cli import main
+from etrain.core import hf, sharded_checkpoint
+from etrain.core.config import ModelConfig, OptimConfig, ParallelConfig, load_config
+from etrain.core.layout_state import full_state, load_full, whole
+from etrain.core.local_ranks import local_group, rank_context
+from etrain.core.model import GPT, InitialWeights, make_model
+from etrain.core.optim import make_optimizer
+from etrain.core.parallel import Replica, make_mesh, stage_layers
 
 MODEL = ModelConfig(n_layer=4, n_head=4, d_model=32, seq_len=16, vocab_size=64)
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=0, grad_clip=0.5)

@@ -1,12 +1,12 @@
-"""PPO's objective (app/core/ppo.py) against the formulas written out longhand, on small hand-made rollouts."""
+"""PPO's objective (etrain/core/ppo.py) against the formulas written out longhand, on small hand-made rollouts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from app.core.ppo import AdaptiveKL, boosted, entropy, gae, moments, policy_loss, token_rewards, value_loss, whiten
-from pipelines import tokenizer
+from etrain.core.ppo import AdaptiveKL, boosted, entropy, gae, moments, policy_loss, token_rewards, value_loss, whiten
+from etrain.data import tokenizer
 
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])  # two responses of 3 and 2 tokens
 
@@ -80,7 +80,7 @@ def test_the_kl_coefficient_moves_towards_the_target_with_a_clipped_error():
 
 
 def test_prompts_are_left_padded_with_the_separator_and_a_response_ends_at_its_first():
-    from actors.worker.rollout import prompt_tokens, response_mask, response_texts
+    from etrain.worker.rollout import prompt_tokens, response_mask, response_texts
 
     rows = prompt_tokens(["ab", "abcdef"], 4, tokenizer.BYTE_CODEC)
     assert rows.tolist() == [[0, 0, 97, 98], [99, 100, 101, 102]]  # cut to the last 4 bytes
@@ -94,7 +94,7 @@ def test_rollouts_speak_the_runs_tokenizer_not_bytes(tmp_path):
     """Issue 41, defect 5: PPO encoded prompts and decoded responses as bytes whatever the model's vocabulary, and
     a response token above 255 failed the step (`bytes must be in range(0, 256)`). With a BPE's codec the prompt is
     its tokens, padded with its end of document, and a response of ids far above 255 decodes to its text."""
-    from actors.worker.rollout import prompt_tokens, response_mask, response_texts
+    from etrain.worker.rollout import prompt_tokens, response_mask, response_texts
 
     tok = tokenizer.train_bpe(iter(["x = 1234 and y = 5678; " * 8] * 16), vocab_size=300)
     (tmp_path / tokenizer.FILE).write_text(tok.text)

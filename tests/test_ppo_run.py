@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from actors.control import JobError
-from app.cli import main
-from app.core.config import override
-from app.core.finetune import finetune_config
-from app.job import new_run_dir, train
-from app.report import write_report
+from etrain.cli import main
+from etrain.control.control import JobError
+from etrain.core.config import override
+from etrain.core.finetune import finetune_config
+from etrain.driver.job import new_run_dir, train
+from etrain.driver.report import write_report
 
 from runs import etrain_lines, records, run
 

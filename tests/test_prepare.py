@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.cli import main
-from app.core.config import ConfigError
-from app.job import new_run_dir, train
-from pipelines import tokenizer
-from pipelines.shards import ShardReader
+from etrain.cli import main
+from etrain.core.config import ConfigError
+from etrain.data import tokenizer
+from etrain.data.shards import ShardReader
+from etrain.driver.job import new_run_dir, train
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

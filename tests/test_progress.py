@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from app.job import new_run_dir, train
-from app.progress import Progress
+from etrain.driver.job import new_run_dir, train
+from etrain.driver.progress import Progress
 
 from runs import FAST, start_driver
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from actors.ps import ParamShard, assign_shards
-from app.core.config import OptimConfig
-from app.core.optim import make_scheduler
+from etrain.control.ps import ParamShard, assign_shards
+from etrain.core.config import OptimConfig
+from etrain.core.optim import make_scheduler
 
 OPTIM = {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "weight_decay": 0.1}
 SHAPES = {

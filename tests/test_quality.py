@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from app.core.config import load_config
-from pipelines import dedup, quality
+from etrain.core.config import load_config
+from etrain.data import dedup, quality
 
 CFG = load_config("tiny").prepare
 

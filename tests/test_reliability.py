@@ -17,14 +17,14 @@ import psutil
 import pytest
 import ray
 
-from actors.control import JobError
-from actors.coordinator import Coordinator
-from actors.worker import spawn
-from app.cli import main
-from app.core import checkpoint, lease
-from app.core.ports import free_port
-from app.job import new_run_dir, train
-from pipelines.embedded import ensure_corpus
+from etrain.cli import main
+from etrain.control.control import JobError
+from etrain.control.coordinator import Coordinator
+from etrain.core import checkpoint, lease
+from etrain.core.ports import free_port
+from etrain.data.embedded import ensure_corpus
+from etrain.driver.job import new_run_dir, train
+from etrain.worker import spawn
 
 from runs import FAST, ROOT, etrain_lines, records, run, start_driver, wait_for_step, wait_until
 
@@ -98,7 +98,7 @@ def test_storage_refusing_a_checkpoint_commit_leaves_a_record_and_training_goes_
 def etrain(*args: str, env: dict, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
     started = time.time()
     done = subprocess.run(
-        [sys.executable, "-c", "import sys; from app.cli import main; sys.exit(main())", *args],
+        [sys.executable, "-c", "import sys; from etrain.cli import main; sys.exit(main())", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

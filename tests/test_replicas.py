@@ -10,14 +10,14 @@ import json
 
 import pytest
 
-from actors.control import JobError
-from app.cli import _status_text
-from app.core import checkpoint
-from app.core.finetune import finetune_config
-from app.core.records import read_jsonl
-from app.core.sharded_checkpoint import SavedWeights, whole_state
-from app.job import new_run_dir, train
-from app.report import write_report
+from etrain.cli import _status_text
+from etrain.control.control import JobError
+from etrain.core import checkpoint
+from etrain.core.finetune import finetune_config
+from etrain.core.records import read_jsonl
+from etrain.core.sharded_checkpoint import SavedWeights, whole_state
+from etrain.driver.job import new_run_dir, train
+from etrain.driver.report import write_report
 
 from runs import FAST, drawn, records, run
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from app.core.config import ConfigError
-from app.report import write_report
+from etrain.core.config import ConfigError
+from etrain.driver.report import write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PLOTS = {"loss", "throughput", "data_wait", "world_size", "grad_norm"}
@@ -142,10 +142,10 @@ def test_report_errors_name_the_path(tmp_path, case):
 
 
 def test_report_leaves_matplotlib_to_whoever_makes_one(tmp_path):
-    """Making a report needs matplotlib, importing app.report does not; and no pyplot (no backend switch) at all."""
+    """Making a report needs matplotlib, importing its module does not; and no pyplot (no backend switch) at all."""
     run = _run(tmp_path)
     code = (
-        "import sys; from app.report import write_report; assert 'matplotlib' not in sys.modules; "
+        "import sys; from etrain.driver.report import write_report; assert 'matplotlib' not in sys.modules; "
         f"write_report({str(run)!r}); assert 'matplotlib.pyplot' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
@@ -154,8 +154,8 @@ def test_report_leaves_matplotlib_to_whoever_makes_one(tmp_path):
 def test_records_of_an_older_run_are_read_under_todays_names(tmp_path):
     """Fields renamed since (a train record's data cursor, an outlier's batch) read under their new names; a record
     with both keeps today's, and other kinds keep a field of the old name."""
-    from app.core.config import load_config
-    from app.core.records import read_jsonl, summarize
+    from etrain.core.config import load_config
+    from etrain.core.records import read_jsonl, summarize
 
     old = [
         {"kind": "train", "step": 1, "world_size": 2, "batch": 16, "samples": 16, "time": T0},

@@ -9,10 +9,10 @@ import re
 import pytest
 import torch
 
-from app.core.config import ConfigError, load_config
-from app.core.model import GPT, sample
-from app.core.rewards import TASKS, RewardError, Task, brackets, digits, length, load, probe, score_all
-from pipelines import tokenizer
+from etrain.core.config import ConfigError, load_config
+from etrain.core.model import GPT, sample
+from etrain.core.rewards import TASKS, RewardError, Task, brackets, digits, length, load, probe, score_all
+from etrain.data import tokenizer
 
 
 def test_digits_scores_the_share_of_digits():
@@ -70,7 +70,7 @@ def test_sampling_is_seeded_and_at_a_low_temperature_follows_the_model():
 
 
 def test_etrain_ppo_refuses_a_reward_it_cannot_load_before_anything_starts(tmp_path, capsys):
-    from app.cli import main
+    from etrain.cli import main
 
     assert main(["ppo", "--from", str(tmp_path), "--reward", "sentiment"]) == 2
     assert "name a built-in task (digits, brackets, length) or FILE.py:function" in capsys.readouterr().err
@@ -142,7 +142,7 @@ def test_etrain_ppo_refuses_a_base_whose_tokenizer_it_cannot_read_before_anythin
     import subprocess
     import sys
 
-    from app.cli import main
+    from etrain.cli import main
 
     from runs import ROOT
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from actors.control import JobError
-from actors.saving import Saver
-from app.core import checkpoint
-from app.core.config import load_config
+from etrain.control.control import JobError
+from etrain.control.saving import Saver
+from etrain.core import checkpoint
+from etrain.core.config import load_config
 
 
 def saver(tmp_path, *overrides: str) -> Saver:

@@ -1,4 +1,4 @@
-"""A sharded run's checkpoints (app/core/sharded_checkpoint.py): each rank's shards written with torch DCP in the
+"""A sharded run's checkpoints (etrain/core/sharded_checkpoint.py): each rank's shards written with torch DCP in the
 background, under the checkpoint's commit; a failed write, a tampered file and a hostile metadata file."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
 
-from app.core import checkpoint, sharded_checkpoint
-from app.core.config import ConfigError, load_config, override
-from app.core.finetune import check_base, model_only
-from app.core.model import GPT
-from app.core.sharded_checkpoint import SavedWeights, read_metadata, state_dict, whole_state, written
+from etrain.core import checkpoint, sharded_checkpoint
+from etrain.core.config import ConfigError, load_config, override
+from etrain.core.finetune import check_base, model_only
+from etrain.core.model import GPT
+from etrain.core.sharded_checkpoint import SavedWeights, read_metadata, state_dict, whole_state, written
 
 from runs import records, run
 
@@ -129,7 +129,7 @@ def test_a_hostile_metadata_rehashed_into_the_commit_is_refused_by_every_reader(
     """The attack end to end: the crafted `.metadata` written into a committed checkpoint, commit.json re-hashed to
     match. Finding the newest checkpoint names it and its cause (a resume's path), and `etrain generate` and
     `etrain export` stop with exit 2 in one line; nothing runs."""
-    from app.cli import main
+    from etrain.cli import main
 
     run_dir, step_dir = dcp_run(tmp_path)
     marker = tmp_path / "ran"

@@ -5,9 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines import tokenizer
-from pipelines.embedded import ensure_corpus, stdlib_files
-from pipelines.shards import (
+from etrain.data import tokenizer
+from etrain.data.embedded import ensure_corpus, stdlib_files
+from etrain.data.shards import (
     ShardError,
     ShardReader,
     pack_rows,

@@ -1,4 +1,4 @@
-"""Tokenizers (pipelines/tokenizer.py): a byte-level BPE learned from text, a tokenizer file and the directory
+"""Tokenizers (etrain/data/tokenizer.py): a byte-level BPE learned from text, a tokenizer file and the directory
 holding it, its end-of-document token as the file defines it, and the refusals naming what is wrong."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from pipelines import tokenizer
+from etrain.data import tokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
@@ -65,9 +65,9 @@ def test_pack_ends_documents_with_the_eos_the_driver_read(tmp_path):
     import pandas as pd
     from tokenizers import AddedToken
 
-    from app.core.config import load_config
-    from pipelines.prepare import pack
-    from pipelines.shards import load_shard
+    from etrain.core.config import load_config
+    from etrain.data.prepare import pack
+    from etrain.data.shards import load_shard
 
     tok = tokenizer.train_bpe(iter(TEXTS), 300)
     tok.tokenizer.add_special_tokens([AddedToken("<|stop|>", special=True)])

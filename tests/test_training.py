@@ -10,15 +10,15 @@ import pytest
 import ray
 import torch
 
-from actors.worker import spawn
-from app.core import checkpoint
-from app.core.model import GPT
-from app.core.records import START_PHASES, read_jsonl
-from app.job import new_run_dir, train
-from pipelines import order
-from pipelines.cache import ShardCache
-from pipelines.embedded import ensure_corpus
-from pipelines.shards import ShardReader, read_manifest
+from etrain.core import checkpoint
+from etrain.core.model import GPT
+from etrain.core.records import START_PHASES, read_jsonl
+from etrain.data import order
+from etrain.data.cache import ShardCache
+from etrain.data.embedded import ensure_corpus
+from etrain.data.shards import ShardReader, read_manifest
+from etrain.driver.job import new_run_dir, train
+from etrain.worker import spawn
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -122,7 +122,7 @@ def test_exact_resume_with_checkpoints_on_s3(make_cfg, s3_bucket):
 
 
 def test_cli_trains_then_resumes_for_longer(make_cfg, tmp_path, capsys):
-    from app.cli import main
+    from etrain.cli import main
 
     base = [
         "--set",

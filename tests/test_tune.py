@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import ray
 
-from app.cli import main
-from app.core import checkpoint
-from app.core.config import ConfigError, load_config
-from app.core.records import read_jsonl
-from tune.space import load_space
+from etrain.cli import main
+from etrain.core import checkpoint
+from etrain.core.config import ConfigError, load_config
+from etrain.core.records import read_jsonl
+from etrain.tune.space import load_space
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,7 +123,7 @@ def test_search_survives_a_failing_trial_and_resumes_after_a_kill(data_dir, tmp_
         "--no-progress",
     ]
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    code = "import sys; from app.cli import main; sys.exit(main())"
+    code = "import sys; from etrain.cli import main; sys.exit(main())"
     driver = subprocess.Popen(
         [sys.executable, "-c", code, *args],
         cwd=ROOT,
@@ -176,7 +176,7 @@ def test_a_trial_asha_stopped_reaches_optuna_as_pruned_and_a_finished_one_as_com
     from optuna.trial import TrialState
     from ray.tune.result import TRAINING_ITERATION
 
-    from tune.search import METRIC, Search
+    from etrain.tune.search import METRIC, Search
 
     space = {"optim.lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)}
     search = Search(space, metric=METRIC, mode="min", sampler=optuna.samplers.RandomSampler(seed=0), steps=20)

@@ -1,5 +1,5 @@
 """The package as a user installs it: a wheel built from this checkout, installed in a fresh virtual environment
-with no checkout on its path, trains (issue 41, defect 4: packages listed by hand once left `actors.worker` and the
+with no checkout on its path, trains (issue 41, defect 4: packages listed by hand once left `etrain.worker` and the
 presets out of the wheel). Its dependencies come from the test's own environment, added to the fresh one's path."""
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ def test_a_wheel_installed_in_a_fresh_venv_trains_with_no_checkout_on_its_path(t
     subprocess.run([*build, str(source)], check=True, cwd=tmp_path, capture_output=True)
     (wheel,) = dist.glob("etrain-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    for needed in ("actors/worker/actor.py", "app/core/models/llama.py", "app/configs/tiny.yaml"):
+    for needed in ("etrain/worker/actor.py", "etrain/core/models/llama.py", "etrain/configs/tiny.yaml"):
         assert needed in shipped, needed
-    assert {"app/configs/grafana/etrain.json", "app/local_cluster.yaml"} <= shipped
+    assert {"etrain/configs/grafana/etrain.json", "etrain/driver/local_cluster.yaml"} <= shipped
 
     fresh = tmp_path / "venv"
     venv.create(fresh, with_pip=False)
@@ -45,7 +45,7 @@ def test_a_wheel_installed_in_a_fresh_venv_trains_with_no_checkout_on_its_path(t
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PYTHON"))} | {"HOME": str(tmp_path)}
     where = subprocess.run(
-        [str(python), "-c", "import app, actors.worker; print(app.__file__)"],
+        [str(python), "-c", "import etrain, etrain.worker; print(etrain.__file__)"],
         check=True, capture_output=True, text=True, cwd=tmp_path, env=env,
     ).stdout  # fmt: skip
     assert where.startswith(str(fresh)) and str(ROOT) not in where, where

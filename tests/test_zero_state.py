@@ -18,10 +18,10 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from actors.worker.zero_state import local_part, merge, param_groups
-from app.core.config import load_config
-from app.core.model import GPT
-from app.core.optim import make_optimizer, make_param_groups, make_scheduler, optimizer_class, optimizer_defaults
+from etrain.core.config import load_config
+from etrain.core.model import GPT
+from etrain.core.optim import make_optimizer, make_param_groups, make_scheduler, optimizer_class, optimizer_defaults
+from etrain.worker.zero_state import local_part, merge, param_groups
 
 WORLD = 2
 STEPS = 3  # before the state is saved; then one more
@@ -43,7 +43,7 @@ def set_grads(model: nn.Module, step: int) -> None:
 
 
 def make_zero(model: nn.Module) -> ZeroRedundancyOptimizer:
-    """As actors/worker/data_parallel.py builds it."""
+    """As etrain/worker/data_parallel.py builds it."""
     return ZeroRedundancyOptimizer(
         make_param_groups(model, CFG.optim),
         optimizer_class=torch.optim.AdamW,

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import ray
 
-from app.core.config import load_config
-from app.core.records import read_jsonl
-from app.job import new_run_dir, train
+from etrain.core.config import load_config
+from etrain.core.records import read_jsonl
+from etrain.driver.job import new_run_dir, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from comm import base_overrides  # noqa: E402

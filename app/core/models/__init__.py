@@ -1,1 +1,0 @@
-"""Model definitions beside the GPT of app/core/model.py, one file each."""

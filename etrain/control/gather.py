@@ -1,0 +1,118 @@
+"""One way to wait for workers, with one error policy: every answer, or the workers lost, named.
+
+A wait ends at the first failure or at its deadline. Then every worker asked is pinged
+(`timeouts.ping_s`): the dead and the silent are stopped and raised as WorkersLost, so the
+caller can replace them (one silent because it waits in a rendezvous for a peer that is gone is
+released instead, and kept); if all answer, the failure is on live workers, which no
+replacement would mend, and a JobError says so. A worker whose constructor failed is a
+JobError too: a replacement built from the same config would fail the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import ray
+
+from etrain.control.control import JobError
+from etrain.core.errors import Failure, why
+
+
+class WorkersLost(Exception):
+    """Workers died or hung while `what` ran. `lost` are stopped already; `finished[i]` tells whether the
+    i-th ref of the wait had returned (a step whose survivors all finished is complete); `cause`: what ended the
+    wait (a worker's error, or the timeout, named)."""
+
+    def __init__(self, what: str, lost: list, finished: list[bool], cause: str = ""):
+        super().__init__(f"{len(lost)} worker(s) lost during {what}" + (f" ({cause})" if cause else ""))
+        self.what, self.lost, self.finished, self.cause = what, lost, finished, cause
+        self.since = time.perf_counter()
+
+
+def gather(
+    refs: list,
+    among: list,
+    what: str,
+    timeout: float,
+    ping_s: float,
+    retire: Callable[[list], None],
+    queued: list = (),
+    queued_s: float = 0.0,
+    timeout_name: str = "",
+) -> list:
+    """The results of `refs`, in order. `among` are the workers answerable for them (pinged on a failure). `queued`:
+    calls made to them after these (a step sent ahead, control/step.py), which a worker ends before it can answer a
+    ping: on a failure they are waited for, up to `queued_s`, so that a survivor busy in one is not taken for hung.
+    `timeout_name`: the config key `timeout` comes from, named when it runs out."""
+    results, pending, failed = {}, list(refs), None
+    deadline = time.perf_counter() + timeout
+    while pending and failed is None and time.perf_counter() < deadline:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.perf_counter()))
+        for ref in done:
+            try:
+                results[ref] = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                if e.actor_init_failed:
+                    raise JobError(could_not_start(e)) from None
+                failed = failed or e
+            except ray.exceptions.RayTaskError as e:
+                failed = failed or e
+    if failed is None and not pending:
+        return [results[r] for r in refs]
+    named = f"{timeout_name}=" if timeout_name else ""
+    cause = getattr(failed, "cause", failed) if failed is not None else f"no answer within {named}{timeout:g} s"
+    details = "\n".join(filter(None, [str(failed) if failed is not None else None, getattr(cause, "details", None)]))
+    if isinstance(cause, Failure):  # named by the work itself (a reward that fails): its peers may be waiting in a
+        # collective for it and miss the ping; none of them is lost, and no replacement would do better
+        raise JobError(str(cause), details) from None
+    if queued:
+        ray.wait(list(queued), num_returns=len(queued), timeout=queued_s)
+    lost = find_lost(among, what, cause, ping_s, retire, details or None)
+    said = why(cause) if isinstance(cause, BaseException) else str(cause)
+    raise WorkersLost(what, lost, [r in results for r in refs], said)
+
+
+def find_lost(
+    workers: list, what: str, cause, ping_s: float, retire: Callable[[list], None], details: str | None = None
+) -> list:
+    """The workers that are dead or do not answer a ping within `ping_s`, stopped (a hung one would block the
+    next group too). None of them means `what` failed on live workers: a JobError saying `cause`, with `details`
+    (the worker's traceback) for the driver's log."""
+    pings = {w: w.info.remote() for w in workers}
+    lost = []
+    for worker, ref in pings.items():
+        try:
+            ray.get(ref, timeout=ping_s)
+        except ray.exceptions.RayActorError:
+            lost.append(worker)
+        except ray.exceptions.GetTimeoutError:  # busy: hung, or waiting in a rendezvous for a peer that is gone
+            if not released(worker, ping_s):
+                lost.append(worker)
+    retire(lost)
+    if not lost:
+        raise JobError(
+            f"{what} failed on live workers, which no replacement mends: {cause}; the worker's traceback is in the "
+            "driver's log",
+            details,
+        )
+    return lost
+
+
+def released(worker, ping_s: float) -> bool:
+    """Whether `worker` was waiting for its peers to meet, and is now let go (etrain/worker/actor.py `release`)."""
+    try:
+        return ray.get(worker.release.remote(), timeout=ping_s)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
+
+
+def could_not_start(error: ray.exceptions.RayActorError) -> str:
+    """A worker's constructor failed: its own exception, and what to do about it."""
+    said = why(error)
+    if any(m in said.lower() for m in ("allocate", "out of memory", "outofmemory")):
+        return (
+            f"a worker could not start: {said}; the model does not fit a worker's memory: lower model.d_model, "
+            f"model.n_layer or train.micro_batch (`etrain config` prints the estimate), or use larger nodes"
+        )
+    return f"a worker could not start: {said}; fix the cause, then start the job again"

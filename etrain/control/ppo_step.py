@@ -1,0 +1,72 @@
+"""A PPO step as a transaction on the coordinator: Stepper's, with each worker's share of the step's prompts in
+place of a data batch (etrain/worker/rollout.py does the work), the KL coefficient the steps adapt, and the
+evaluation of the policy's mean reward on held-out prompts."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from etrain.control.gather import WorkersLost
+from etrain.control.step import Outcome, Position, Stepper
+from etrain.core.ppo import AdaptiveKL
+from etrain.worker.protocol import StepReport
+
+MEANS = ("reward", "kl", "kl_coef", "response_len", "clip_fraction", "entropy", "value_loss", "policy_loss")
+
+
+class PPOStepper(Stepper):
+    def __init__(self, *args, scorers: tuple):
+        super().__init__(*args)
+        ppo = self.cfg.ppo
+        self.scorers = scorers
+        self.kl = AdaptiveKL(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
+        self.tokens_per_sample = ppo.prompt_len + ppo.response_len
+
+    def run(self, at: Position) -> Outcome:
+        started = time.perf_counter()
+        workers, n, count = self.team.workers, at.step + 1, self.cfg.ppo.rollouts
+        shares = np.array_split(np.arange(at.cursor, at.cursor + count), len(workers))  # prompt indices
+        faults = self.faults_due(n, at.cursor)
+        refs = [
+            w.ppo_step.remote(n, ids, self.kl.beta, self.guards.lr_scale, self.scorers, faults.get(rank))
+            for rank, (w, ids) in enumerate(zip(workers, shares))
+        ]
+        try:
+            reports: list[StepReport] = self.team.gather(refs, workers, f"step {n}")
+        except WorkersLost as gone:  # the recovery goes back to the last checkpoint (the coordinator's _recover)
+            return Outcome(lost=gone.lost, since=started, cause=f"step {n}: {gone.cause}")
+        if not all(r.finite for r in reports):
+            return Outcome(diverged=True)
+        means = {k: sum(r.ppo[k] for r in reports) / count for k in MEANS}
+        extra = {**means, "kl_base": self.kl.beta}
+        self.kl.update(means["kl"], count)
+        self.commit(at, count, reports, time.perf_counter() - started, extra)
+        return Outcome()
+
+    def reward(self, faults: dict | None = None) -> float:
+        """The policy's mean reward on the held-out prompts, split over the members. WorkersLost as evaluate."""
+        workers, faults = self.team.workers, faults or {}
+        shares = np.array_split(np.arange(self.cfg.ppo.eval_prompts), len(workers))
+        refs = [
+            w.ppo_evaluate.remote(ids, self.scorers, faults.get(r)) for r, (w, ids) in enumerate(zip(workers, shares))
+        ]
+        results = self.team.gather(refs, workers, "reward evaluation")
+        return sum(r[0] for r in results) / sum(r[1] for r in results)
+
+    @property
+    def suspects(self) -> str:
+        """What a non-finite PPO gradient points at: the value head regresses the reward's scores."""
+        last = self.log.latest.get("train", {}).get("reward")
+        seen = f" (the last step's mean: {last:.3g})" if last is not None else ""
+        return (
+            f"check the scale of reward {self.cfg.ppo.reward}'s scores{seen}: the value head learns them, so keep "
+            "them within about ±10; or lower optim.lr"
+        )
+
+    def state(self) -> dict:
+        return {"kl_coef": self.kl.beta}
+
+    def load(self, meta: dict) -> None:
+        self.kl.beta = meta.get("kl_coef", self.cfg.ppo.kl_coef)

@@ -1,0 +1,1 @@
+"""Model definitions beside the GPT of etrain/core/model.py, one file each."""

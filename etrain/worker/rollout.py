@@ -1,0 +1,189 @@
+"""One worker's part of a PPO step (actor.py `ppo_step`, over the data-parallel engine), read top to bottom: draw
+the step's prompts, sample a response to each with the policy, have the reward score them and the reference measure
+them, turn the rewards into advantages whitened over every worker's rollouts, then run the PPO updates, each
+through DDP.
+
+Prompts depend on the run's seed and their index alone, and sampling on (seed, step, rank): a resumed run draws
+and samples what the run that went on did.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import ray
+import torch
+import torch.distributed as dist
+
+from etrain.core.model import sample
+from etrain.core.ppo import (
+    boosted,
+    entropy,
+    gae,
+    moments,
+    policy_loss,
+    token_logprobs,
+    token_rewards,
+    value_loss,
+    whiten,
+)
+from etrain.core.rewards import Task
+from etrain.data.tokenizer import Codec
+from etrain.worker.engine import peak_rss
+from etrain.worker.protocol import StepReport, wait_for_scores
+
+NO_DATA = {"hits": 0, "misses": 0, "wait_s": 0.0}  # prompts come from the task, not the shard cache
+
+
+def prompts_for(task: Task, seed: int, indices, stream: str = "train") -> list[str]:
+    """The prompts of these indices, from their own random stream: the evaluation's ("eval") is another draw than
+    the training's (a task with few distinct prompts repeats them in both)."""
+    return [task.prompt(random.Random(f"{stream}:{seed}:{i}")) for i in indices]
+
+
+def prompt_tokens(prompts: list[str], length: int, codec: Codec) -> torch.Tensor:
+    """(B, length) tokens of the run's tokenizer: each prompt's last `length`, left-padded with the end of document
+    (what precedes a document in training)."""
+    rows = torch.full((len(prompts), length), codec.eos, dtype=torch.long)
+    for i, text in enumerate(prompts):
+        tokens = torch.tensor(codec.encode(text)[-length:], dtype=torch.long)
+        rows[i, length - len(tokens) :] = tokens
+    return rows
+
+
+def response_mask(responses: torch.Tensor, eos: int) -> torch.Tensor:
+    """1 for each response token up to and including the first end of document (which ends it), 0 after."""
+    ended = (responses == eos).long().cumsum(1)
+    return ((ended == 0) | ((ended == 1) & (responses == eos))).float()
+
+
+def response_texts(responses: torch.Tensor, mask: torch.Tensor, codec: Codec) -> list[str]:
+    return [codec.decode([t for t in r[: int(m.sum())].tolist() if t != codec.eos]) for r, m in zip(responses, mask)]
+
+
+def ppo_step(
+    engine, task, codec: Codec, indices, beta: float, lr_scale: float, scorers: tuple, seed: int
+) -> StepReport:
+    cfg, ppo = engine.cfg, engine.cfg.ppo
+    started = time.perf_counter()
+    engine.model.eval()  # no dropout anywhere: the first update's ratio is 1 (up to the precision's rounding)
+    prompts = prompts_for(task, cfg.train.seed, indices)
+    generator = torch.Generator(engine.device).manual_seed(seed)
+    sequences, responses, mask, texts = rollouts(engine, prompts, codec, generator)
+    reference, rewarder = scorers
+    asked = reference.logprobs.remote(sequences.cpu(), ppo.prompt_len), rewarder.score.remote(prompts, texts)
+    with torch.no_grad(), engine.autocast():
+        logits, values = engine.model(sequences, values=True)
+    old_logp = token_logprobs(logits[:, ppo.prompt_len - 1 : -1], responses)
+    old_values = values[:, ppo.prompt_len - 1 : -1].float() * mask
+    scores = torch.tensor(wait_for_scores(rewarder, prompts, texts, cfg, asked[1]), device=engine.device)
+    ref_logp = ray.get(asked[0]).to(engine.device)
+    kl = ((old_logp - ref_logp) * mask).sum(1)  # per response, in nats
+    beta = boosted(beta, mean_over_workers(kl, engine.world), ppo.kl_target, ppo.kl_gain)
+    rewards = token_rewards(scores, old_logp, ref_logp, mask, beta)
+    advantages, returns = gae(rewards, old_values, mask, ppo.gamma, ppo.lam)
+    sums = moments(advantages, mask)
+    if engine.world > 1:  # whitened over every worker's rollouts
+        dist.all_reduce(sums)
+    advantages = whiten(advantages, sums, mask)
+    computing = time.perf_counter()
+    stats = update(engine, sequences, responses, mask, old_logp, old_values, advantages, returns, lr_scale, generator)
+    n, share = len(indices), len(indices) / ppo.rollouts
+    return StepReport(
+        finite=math.isfinite(stats["grad_norm"]),
+        skipped=False,
+        loss=stats["loss"] * share,
+        grad_norm=stats["grad_norm"],
+        lr=stats["lr"],
+        share=n,
+        compute_s=time.perf_counter() - computing,
+        communication_s=0.0,
+        worker_s=time.perf_counter() - started,
+        comm_bytes=0,
+        dense_bytes=0,
+        optimizer_bytes=engine.optimizer_bytes(),
+        param_bytes=engine.param_bytes(),
+        peak_rss=peak_rss(),
+        data=NO_DATA,
+        saving=False,  # the actor's to say
+        ppo={
+            "reward": scores.sum().item(),
+            "kl": kl.sum().item(),
+            "response_len": mask.sum().item(),
+            "kl_coef": beta * n,  # the same on every worker: the step's rollouts' KL, over all of them
+            **{k: stats[k] * n for k in ("clip_fraction", "entropy", "value_loss", "policy_loss")},
+        },
+    )
+
+
+def mean_over_workers(x: torch.Tensor, world: int) -> float:
+    """The mean of `x` over every worker's entries."""
+    sums = torch.stack([x.sum(), torch.tensor(float(len(x)), device=x.device)]).double()
+    if world > 1:
+        dist.all_reduce(sums)
+    return (sums[0] / sums[1]).item()
+
+
+def rollouts(engine, prompts: list[str], codec: Codec, generator: torch.Generator):
+    """(sequences (B, P + T), responses (B, T), their mask, their texts), sampled by the policy."""
+    ppo = engine.cfg.ppo
+    with engine.autocast():
+        sequences = sample(
+            engine.model,
+            prompt_tokens(prompts, ppo.prompt_len, codec).to(engine.device),
+            ppo.response_len,
+            ppo.temperature,
+            generator,
+        )
+    responses = sequences[:, ppo.prompt_len :]
+    mask = response_mask(responses, codec.eos)
+    return sequences, responses, mask, response_texts(responses.cpu(), mask.cpu(), codec)
+
+
+def update(engine, sequences, responses, mask, old_logp, old_values, advantages, returns, lr_scale, generator) -> dict:
+    """ppo.epochs passes of ppo.minibatches updates; every rank runs as many, so DDP's all-reduces pair up."""
+    cfg, ppo, p = engine.cfg, engine.cfg.ppo, engine.cfg.ppo.prompt_len
+    totals = dict.fromkeys(("loss", "policy_loss", "value_loss", "clip_fraction", "entropy", "lr"), 0.0)
+    updates, grad_norm = ppo.epochs * ppo.minibatches, 0.0
+    for _ in range(ppo.epochs):
+        order = torch.randperm(len(sequences), generator=generator, device=engine.device)
+        for part in order.tensor_split(ppo.minibatches):
+            engine.optimizer.zero_grad(set_to_none=True)
+            with engine.autocast():
+                logits, values = engine.ddp(sequences[part], values=True)
+            logits, values = logits[:, p - 1 : -1], values[:, p - 1 : -1].float()
+            logp = token_logprobs(logits, responses[part])
+            pg, clipped = policy_loss(logp, old_logp[part], advantages[part], mask[part], ppo.clip)
+            vf = value_loss(values, old_values[part], returns[part], mask[part], ppo.value_clip)
+            loss = pg + ppo.value_coef * vf
+            loss.backward()
+            clip = cfg.optim.grad_clip or float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(engine.model.parameters(), clip).item()
+            if not math.isfinite(grad_norm):  # nobody steps: the coordinator goes back to the last checkpoint
+                return totals | {"grad_norm": grad_norm}
+            for group, lr in zip(engine.optimizer.param_groups, engine.scheduler.get_last_lr()):
+                group["lr"] = lr * lr_scale
+            engine.optimizer.step()
+            totals["lr"] = engine.optimizer.param_groups[0]["lr"]  # the step's, before the schedule moves on
+            with torch.no_grad():
+                ent = entropy(logits.detach(), mask[part]).item()
+            for key, value in (("loss", loss), ("policy_loss", pg), ("value_loss", vf), ("clip_fraction", clipped)):
+                totals[key] += float(value.detach()) / updates
+            totals["entropy"] += ent / updates
+    engine.scheduler.step()
+    return totals | {"grad_norm": grad_norm}
+
+
+@torch.no_grad()
+def evaluate(engine, task, codec: Codec, indices, scorers: tuple) -> tuple[float, int]:
+    """Sum of the rewards of held-out prompts' responses (sampled at the rollout temperature), and their count."""
+    if not len(indices):
+        return 0.0, 0
+    engine.model.eval()
+    prompts = prompts_for(task, engine.cfg.train.seed, indices, stream="eval")
+    generator = torch.Generator(engine.device).manual_seed(int(indices[0]))
+    _, _, _, texts = rollouts(engine, prompts, codec, generator)
+    scores = wait_for_scores(scorers[1], prompts, texts, engine.cfg)
+    return float(sum(scores)), len(scores)
