@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from etrain.cli import _status_text
+from etrain.cli.status import _status_text
 from etrain.control.control import JobError
 from etrain.core import checkpoint
 from etrain.core.finetune import finetune_config

@@ -1,0 +1,26 @@
+"""`etrain finetune`: a new run from a trained model's weights, LoRA adapters on them (the default) or all of them
+trained."""
+
+from __future__ import annotations
+
+from etrain.cli.jobs import from_base
+from etrain.cli.options import add_base, add_config, add_progress, command
+
+
+def add_command(sub) -> None:
+    p = command(
+        sub,
+        "finetune",
+        cmd_finetune,
+        "fine-tune a trained model: LoRA adapters on it (the default) or all its weights; resume with etrain train",
+        "etrain finetune --from runs/base --set data.source=corpus/ --set train.steps=200",
+        "etrain finetune --from runs/base/checkpoints/step-00000500 --config ft.yaml --set finetune.lora.rank=4",
+        "etrain finetune --from runs/base --set finetune.method=full --set optim.lr=3e-4",
+    )
+    add_config(p)
+    add_base(p, "the model to fine-tune")
+    add_progress(p)
+
+
+def cmd_finetune(args, started_at: float) -> int:
+    return from_base(args, args.source, args.set, started_at)
