@@ -1,5 +1,5 @@
 """A tiny random Llama as a Hugging Face directory, with a byte-level BPE tokenizer learned from this repository's
-README: what README.md's "Bring your model" runs end to end in seconds, in place of a real model's directory.
+README: what docs/models.md's "Bring your model" runs end to end in seconds, in place of a real model's directory.
 
     python examples/tiny_llama.py models/tiny-llama [--seed 0]
 """

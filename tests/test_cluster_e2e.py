@@ -49,7 +49,7 @@ def submit(cluster: LocalCluster, data_dir: str, root: Path, name: str, *overrid
         "checkpoint.every=0",
         *overrides,
     ]
-    # No --working-dir here (README's recipe for a real cluster has it): the fake nodes share this
+    # No --working-dir here (the recipe for a real cluster has it: docs/cluster.md): the fake nodes share this
     # machine's disk and session directory, so one node's runtime-env agent deletes the unpacked
     # package from under the other nodes' workers. The project is installed in the venv they all use.
     args = ["ray", "job", "submit", "--no-wait", "--submission-id", name, "--", "etrain", "train", "--config", "tiny"]
@@ -124,7 +124,7 @@ def memberships(run_dir: Path) -> list[dict]:
 
 @pytest.mark.campaign
 def test_the_readme_recipe_grows_the_job_onto_a_node_the_autoscaler_adds(cluster, data_dir, tmp_path):
-    """Issue 16, item 1: the README's "Without a cloud" recipe, `--config tiny` (no warm pool) with
+    """Issue 16, item 1: the "Without a cloud" recipe (docs/cluster.md), `--config tiny` (no warm pool) with
     cluster.max_workers=2, grows: the autoscaler adds a node for the job's reserved room, a worker
     started for that room warms up there and joins. (It stayed at one worker for its whole run.)"""
     job = submit(cluster, data_dir, tmp_path, "recipe", "cluster.warm_pool=0", "train.steps=200")

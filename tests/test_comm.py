@@ -78,7 +78,12 @@ def test_zero1_shards_the_optimizer_state_and_gathers_it_whole(make_cfg, tmp_pat
     workers = spawn(cfg, manifest, 2)
     try:
         form_group(workers, cfg, manifest, tmp_path)
-        ray.get([w.train_step.remote(0, ids, 16, 0) for w, ids in zip(workers, (np.arange(8), np.arange(8, 16)))])
+        ray.get(
+            [
+                w.step.remote(0, {"ids": ids, "global_batch": 16, "cursor": 0})
+                for w, ids in zip(workers, (np.arange(8), np.arange(8, 16)))
+            ]
+        )
         sharded = ray.get([w.optimizer_bytes.remote() for w in workers])
         gathered = ray.get([w.state.remote() for w in workers])  # every rank takes part; rank 0 gets it all
         # A checkpoint: each rank writes its own shard, no gathering; the parts merge into the gathered state.

@@ -91,8 +91,9 @@ def test_interrupted_before_any_checkpoint_resumes_from_the_start_once(make_cfg,
 
 
 def test_a_worker_lost_beyond_recovery_then_resume_continues_bitwise(make_cfg, reference, family):
-    """README, "Determinism and resume": a job whose worker dies with no recovery left (cluster.max_recoveries=0)
-    fails; `--resume` continues from its last checkpoint, and every step's loss equals the uninterrupted run's."""
+    """docs/training.md, "Determinism and resume": a job whose worker dies with no recovery left
+    (cluster.max_recoveries=0) fails; `--resume` continues from its last checkpoint, and every step's loss equals
+    the uninterrupted run's."""
     cfg = make_cfg(
         *FAST, *STEPS, *family, "run.name=worker-killed", "cluster.max_recoveries=0",
         "faults=[{rank: 1, step: 14, kind: kill}]",

@@ -69,3 +69,45 @@ def test_the_control_plane_reaches_the_worker_only_through_its_protocol(path):
         and not (m.startswith("etrain.worker.protocol."))
     )
     assert not across, f"{module} imports {across} from the worker: put what both need in etrain.worker.protocol"
+
+
+# What decides the mode a run trains in: the config's own validation and the registry read it; the training
+# machinery (the control plane and the worker) never does (the command line, the driver and reports may still
+# describe a run's layout, or check a reward file a user gave)
+MACHINERY = ("etrain.control", "etrain.worker")
+CHECKED = sorted(p for p in SOURCES if layer(".".join(p.relative_to(ROOT).with_suffix("").parts)) in MACHINERY)
+
+
+def mode_tests(path: Path) -> list[str]:
+    """The lines where `path` branches on which mode it trains in: a condition (if, while, a conditional
+    expression, a boolean operand, an assert) that reads comm.mode or ppo.reward, or compares a layout's ranks with
+    a number (a layout's size as a quantity, ranks × replicas, is no test)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        tests = []
+        if isinstance(node, ast.If | ast.While | ast.IfExp | ast.Assert):
+            tests.append(node.test)
+        elif isinstance(node, ast.BoolOp):
+            tests += node.values
+        elif isinstance(node, ast.comprehension):
+            tests += node.ifs
+        for test in tests:
+            text = ast.unparse(test)
+            reads_mode = any(key in text for key in ("comm.mode", "ppo.reward"))
+            compares_ranks = any(
+                isinstance(n, ast.Compare)
+                and "ranks" in ast.unparse(n)
+                and any(isinstance(c, ast.Constant) and isinstance(c.value, int) for c in [n.left, *n.comparators])
+                for n in ast.walk(test)
+            )
+            if reads_mode or compares_ranks:
+                found.append(f"line {test.lineno}: {text}")
+    return sorted(set(found))
+
+
+@pytest.mark.parametrize("path", CHECKED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_mode_branches_outside_the_registry(path):
+    """Issue 42: one spec per training mode (etrain/core/modes.py), looked up once by both sides; the code acts on
+    its policies and its engine and stepper, and never asks again which mode it is in."""
+    wrong = mode_tests(path)
+    assert not wrong, f"{path.relative_to(ROOT)} branches on the training mode: {wrong}; put it in the mode's spec"

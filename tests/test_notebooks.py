@@ -90,7 +90,7 @@ def test_finetune_notebook_fine_tunes_exports_and_runs_ppo(data_dir, tmp_path):
 
 
 def test_bring_your_model_notebook_takes_a_directory_in_trains_and_gives_it_back(tmp_path):
-    """README.md's "Bring your model", as the notebook runs it with the README's commands: a tiny random Llama made
+    """docs/models.md's "Bring your model", as the notebook runs it with the page's commands: a tiny random Llama made
     by examples/tiny_llama.py, a corpus prepared with its tokenizer, continued pre-training, LoRA on the result, a
     merged export back to a Hugging Face directory whose logits in `transformers` are the LoRA run's, and a greedy
     continuation that `transformers` generates token for token."""

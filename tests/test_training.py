@@ -45,7 +45,7 @@ def test_two_workers_gradient_equals_single_process(make_cfg, weights, tmp_path)
     try:
         form_group(workers, cfg, manifest, tmp_path)
         shares = order.split(ids, weights)
-        ray.get([w.train_step.remote(0, s, 12, 0) for w, s in zip(workers, shares)])
+        ray.get([w.step.remote(0, {"ids": s, "global_batch": 12, "cursor": 0}) for w, s in zip(workers, shares)])
         grads = ray.get([w.flat_grad.remote() for w in workers])
     finally:
         for w in workers:

@@ -4,23 +4,23 @@ It runs as a Ray actor pinned to the driver's node (the run directory lives ther
 `etrain:RUN` so `etrain scale`, `etrain status` and notebooks can reach it. Each concern is
 a module of its own, and this loop only sequences them:
 
-    etrain/control/step.py          one step as a transaction (and an evaluation)
-    control/ppo_step.py      a PPO step instead (worker/rollout.py on the workers, control/scorers.py beside)
-    etrain/control/membership.py    the group, the warm pool, resizes and recoveries
-    etrain/control/saving.py        checkpoints, and where a resume or a rollback lands
-    etrain/control/data_plane.py    layout, node caches, data cost, quarantine
-    etrain/control/runlog.py        records, dashboard, summary (etrain/control/status_file.py: status.json)
-    etrain/control/guards.py        outlier and NaN guards
-    etrain/control/faults.py        failure injection
-    etrain/control/health_watch.py  each node's failure risk, and drains before a failure
-    etrain/control/ps_mode.py       parameter-server mode: the one exception to the state machine (see `_train_ps`)
+    step.py          one step as a transaction (and an evaluation): the stepper of the run's mode
+                     (etrain/core/modes.py names it: PPO's is ppo_step.py, parameter-server mode's ps_mode.py,
+                     which drives that run itself: the one exception to the state machine)
+    membership.py    the group, the warm pool, resizes and recoveries
+    saving.py        checkpoints, and where a resume or a rollback lands
+    data_plane.py    layout, node caches, data cost, quarantine
+    runlog.py        records, dashboard, summary (status_file.py: status.json; run_status.py: `etrain status`)
+    guards.py        outlier and NaN guards
+    faults.py        failure injection
+    health_watch.py  each node's failure risk, and drains before a failure
 
-Every handler returns the members it lost (a Lost), if any: the next decision is then a recovery.
+Every handler returns the members it lost (a Lost), if any: the next decision is then a recovery. Nothing here
+tests which mode the run trains in: the mode's spec and its stepper say what differs.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -35,15 +35,16 @@ from etrain.control.guards import Guards
 from etrain.control.health_watch import HealthWatch
 from etrain.control.membership import Lost, Team, whole_replicas
 from etrain.control.outer_steps import OuterSteps
+from etrain.control.run_status import status_of, wanted_size
 from etrain.control.runlog import RunLog
 from etrain.control.saving import RewindPoint, Saver
 from etrain.control.status_file import StatusFile
-from etrain.control.step import Position, Stepper, evaluate
+from etrain.control.step import Position
 from etrain.core.checkpoint import checkpoint_uri
-from etrain.core.comm_model import advise
 from etrain.core.config import Config
 from etrain.core.errors import why
 from etrain.core.lease import Lease
+from etrain.core.modes import mode_of
 from etrain.core.records import START_PHASES, Eval, NanRollback, Rewind, Start
 
 
@@ -59,6 +60,7 @@ class Coordinator:
         connected_at: float | None = None,
     ):
         self.cfg = cfg = Config.model_validate(cfg_dict)
+        self.mode = mode_of(cfg)
         self.run_dir = Path(run_dir)
         self.hint = f"resume with `etrain train --resume {self.run_dir}`"
         self.at = Position()
@@ -72,9 +74,8 @@ class Coordinator:
         self.guards = Guards(cfg.train)
         self.faults = FaultPlan(cfg.faults, self.log.record, [r["fault"] for r in self.log.history("fault")])
         self.health = HealthWatch(cfg, self.team, self.faults, self.log)
-        parts = (cfg, self.team, self.data, self.balancer, self.guards, self.faults, self.saver, self.log)
-        self.scorers = _start_scorers(cfg) if cfg.ppo.reward else None  # PPO: the reference model, the reward
-        self.stepper = _ppo_stepper(parts, self.scorers) if self.scorers else Stepper(*parts)
+        parts = (cfg, self.mode, self.team, self.data, self.balancer, self.guards, self.faults, self.saver, self.log)
+        self.stepper = self.mode.load_stepper()(*parts)
         self.outer = OuterSteps(cfg)
         self.lost: Lost | None = None  # members lost: the next decision is a recovery
         self.saved_step = self.evaluated_step = self.started_step = 0
@@ -88,14 +89,16 @@ class Coordinator:
         try:
             self.status_file.start()
             self.data.open()
-            if self.cfg.comm.mode == "ps":
-                self._train_ps(resume)
+            if self.mode.own_loop:
+                self.phase = State.RUNNING
+                self.stepper.drive(self, resume)
+                self.phase = State.FINISHED
             else:
                 self._start(resume)
                 handlers = {
                     State.RUNNING: self._step,
-                    State.EVALUATING: self._evaluate,
-                    State.CHECKPOINTING: self._checkpoint,
+                    State.EVALUATING: self.evaluate,
+                    State.CHECKPOINTING: self.checkpoint,
                     State.RESIZING: self._resize,
                     State.RECOVERING: self._recover,
                 }
@@ -131,18 +134,22 @@ class Coordinator:
             started = time.perf_counter()
             point = self.saver.resume_point(self.cfg.hash(), self.restart_if_corrupt)
             if point.ckpt is not None:
-                parts = ray.put(point.ckpt.parts)
-                self._gather_all(
-                    [w.load_state.remote(parts, point.meta["step"]) for w in self.team.workers], "state load"
-                )
+                self._load_all(point.ckpt.parts, point.meta["step"])
             self._rewind(point, "resume", load_s=time.perf_counter() - started)
         marks.append(time.time())
         self.started_step = self.at.step  # what the start record is filed under: a rewind never moves it aside
         self.saved_step = self.evaluated_step = self.at.step
-        if self.scorers and self.at.step == 0 and not self.log.recorded("eval", 0):
-            self.evaluated_step = -1  # PPO: the base policy's reward first (once), to measure the rise against
-        if (self.cfg.comm.zero or self.scorers or self.team.ranks > 1) and self.saver.last is None:
-            self.lost = self._checkpoint()  # something to go back to when a worker is lost (see _needs_rollback)
+        if self.stepper.evaluates_first(self.at.step):
+            self.evaluated_step = -1
+        if (self.mode.start_checkpoint or self.cfg.comm.zero) and self.saver.last is None:
+            self.lost = self.checkpoint()  # something to go back to when a worker is lost (see _needs_rollback)
+
+    def resume_point(self) -> RewindPoint:
+        """Where a resume lands (its newest checkpoint that verifies, or the start), the run rewound to it: what a
+        stepper that drives its own run starts from."""
+        point = self.saver.resume_point(self.cfg.hash(), self.restart_if_corrupt)
+        self._rewind(point, "resume")
+        return point
 
     def _decide(self) -> State:
         self.team.mark_nodes(self.health.watch(self.at.step), set(self.health.kept_off), self.health.replacements)
@@ -187,19 +194,17 @@ class Coordinator:
         self.log.record(Start(self.started_step, phases, marks[-1] - marks[0]))
         self.team.refill()
 
-    def _evaluate(self) -> Lost | None:
+    def evaluate(self) -> Lost | None:
         self.evaluated_step = self.at.step
         try:
-            faults = self.faults.due(self.at.step, during="eval")
-            loss = evaluate(self.team, self.data.eval_ids, {} if self.scorers else faults)
-            reward = self.stepper.reward(faults) if self.scorers else None
+            loss, reward = self.stepper.evaluate(self.faults.due(self.at.step, during="eval"))
         except WorkersLost as gone:  # this evaluation is lost with them; the next comes after recovery
             return Lost(gone.lost, gone.since)
         if loss is not None:
             self.log.record(Eval(self.at.step, loss, reward))
         return None
 
-    def _checkpoint(self) -> Lost | None:
+    def checkpoint(self) -> Lost | None:
         meta = {
             "cursor": self.at.cursor,
             "config_hash": self.cfg.hash(),
@@ -210,7 +215,7 @@ class Coordinator:
             "balance": self.balancer.state(self.team.workers),
         }
         try:
-            self.saver.begin(self.at.step, self.team.workers, self._sharded(), meta)
+            self.saver.begin(self.at.step, self.team.workers, meta)
         except WorkersLost as gone:  # saved again once the group has recovered
             return Lost(gone.lost, gone.since)
         self.saved_step = self.at.step
@@ -240,8 +245,8 @@ class Coordinator:
 
     def _needs_rollback(self) -> str | None:
         """Why the lost members' state can only come from the last checkpoint, if it can only come from there."""
-        if self.scorers:
-            return "a worker lost in a PPO step"
+        if self.mode.rolls_back:
+            return self.mode.rolls_back
         if self._sharded():
             return "a worker lost with its ZeRO-1 optimizer shard"
         if not whole_replicas(self.team.workers, self.lost.members, self.team.ranks)[0]:
@@ -252,11 +257,10 @@ class Coordinator:
     def _roll_back_nan(self) -> Lost | None:
         """A non-finite gradient (nobody stepped): back to the last checkpoint with the lr halved."""
         failed = self.at.step + 1
-        self.guards.diverged(failed, self.hint, *[self.stepper.suspects] if self.scorers else [])
+        self.guards.diverged(failed, self.hint, *self.stepper.suspects())
         point = self.saver.rollback_point(self.cfg.hash(), "a non-finite gradient", self.hint)
         self._rewind(point, "rollback")
-        whole = ray.put(point.ckpt.parts)
-        self._gather_all([w.load_state.remote(whole, self.at.step) for w in self.team.workers], "state load")
+        self._load_all(point.ckpt.parts, self.at.step)
         self.log.record(NanRollback(failed, self.at.step, self.guards.lr_scale))
         return None
 
@@ -276,20 +280,11 @@ class Coordinator:
         if kind == "resume":
             self.balancer.load(meta.get("balance"), self.team.workers)
         ckpt = point.ckpt
-        self.log.record(
-            Rewind(
-                step=self.at.step,
-                kind=kind,
-                path=ckpt.path if ckpt else None,
-                level=meta["level"],
-                base=ckpt.base if ckpt else None,
-                reason=point.reason,
-                reached_step=reached,
-                records_redone=self.log.rewind(self.at.step),
-                load_s=load_s,
-                skipped=point.skipped or None,
-            )
-        )
+        path, base = (ckpt.path, ckpt.base) if ckpt else (None, None)
+        redone = self.log.rewind(self.at.step)
+        rewind = Rewind(self.at.step, kind, path, meta["level"], base, point.reason, reached, redone, load_s)
+        rewind.skipped = point.skipped or None
+        self.log.record(rewind)
 
     def _to_outer_step(self, why: str) -> None:
         """DiLoCo: a change of members between outer steps goes back to the last one. The survivors redo the window's
@@ -301,21 +296,17 @@ class Coordinator:
         reached = self.at.step
         self.at.step, self.at.cursor = start.step, start.cursor
         self.saved_step, self.evaluated_step = min(self.saved_step, start.step), min(self.evaluated_step, start.step)
+        reason = f"{why} between outer steps: the window is redone"
         self.log.record(
-            Rewind(
-                step=start.step,
-                kind="outer",
-                path=None,
-                level=None,
-                base=None,
-                reason=f"{why} between outer steps: the window is redone",
-                reached_step=reached,
-                records_redone=self.log.rewind(start.step),
-                load_s=None,
-            )
+            Rewind(start.step, "outer", None, None, None, reason, reached, self.log.rewind(start.step), None)
         )
 
-    def _gather_all(self, refs: list, what: str) -> list:
+    def _load_all(self, parts: dict, step: int) -> None:
+        """Every member takes a checkpoint's state (`parts`, at `step`): a member lost meanwhile fails the job."""
+        shared = ray.put(parts)
+        self.gather_all([w.load_state.remote(shared, step) for w in self.team.workers], "state load")
+
+    def gather_all(self, refs: list, what: str) -> list:
         """Every member's answer where no recovery is possible (a state load): a lost member fails the job."""
         try:
             return self.team.gather(refs, self.team.workers, what, self.cfg.timeouts.join_s)
@@ -325,61 +316,13 @@ class Coordinator:
     def _sharded(self) -> bool:
         return self.cfg.comm.zero and len(self.team.workers) > 1
 
-    def _train_ps(self, resume: bool) -> None:
-        """Parameter-server mode (control/ps_mode.py), the one run that does not go through the state machine: with no
-        process group and no step barrier there is no step boundary to decide at. Workers push as they finish, the
-        shards count steps, evaluations and checkpoints come at those counts, and a lost worker ends the job (it
-        cannot recover, or be resized). The phase goes from RUNNING to FINISHED."""
-        try:
-            self.team.start_ps(self.at)
-        except WorkersLost as gone:
-            raise JobError(f"{gone}; {self.hint}") from None
-        point = self.saver.resume_point(self.cfg.hash(), self.restart_if_corrupt) if resume else None
-        if point is not None:
-            self._rewind(point, "resume")
-        self.phase = State.RUNNING
-        from etrain.control.ps_mode import (
-            PSTraining,  # brings torch: another mode's coordinator needs it for a resume alone
-        )
-
-        ps = PSTraining(
-            self.cfg,
-            self.team,
-            self.data,
-            self.at,
-            self.log,
-            self.faults,
-            self._gather_all,
-            self._ps_evaluate,
-            self._ps_checkpoint,
-        )
-        try:
-            ps.start(point.ckpt.parts if point is not None and point.ckpt is not None else None)
-            ps.run()
-        finally:
-            ps.close()
-        self.phase = State.FINISHED
-
-    def _ps_evaluate(self) -> None:
-        if due(self.at.step, self.cfg.train.eval_every, self.cfg.train.steps) and self._evaluate() is not None:
-            raise JobError(
-                f"a worker was lost during an evaluation, and parameter-server mode cannot recover; {self.hint}"
-            )
-
-    def _ps_checkpoint(self) -> None:
-        if self._checkpoint() is not None:
-            raise JobError(
-                f"a worker was lost during a checkpoint, and parameter-server mode cannot recover; {self.hint}"
-            )
-
     def _stop(self) -> None:
         self.health.close()
         self.status_file.close()
         self.log.close()
         self.saver.close()
         self.team.stop()
-        for actor in self.scorers or ():
-            ray.kill(actor)
+        self.stepper.close()
         self.data.close(self.cfg.timeouts.close_s)
 
     # -- driver- and user-facing ---------------------------------------------------
@@ -390,92 +333,9 @@ class Coordinator:
 
     def status(self) -> dict:
         """Where the run stands (`etrain status`, the Python API, status.json)."""
-        train, evaluated = (self.log.latest.get(k, {}) for k in ("train", "eval"))
-        team = self.team
-        return {
-            "run": self.run_dir.name,
-            "run_dir": str(self.run_dir),
-            "coordinator_pid": os.getpid(),
-            "phase": self.phase.value,
-            "failure": self.failure,
-            "step": self.at.step,
-            "total_steps": self.cfg.train.steps,
-            "eta_s": self.log.eta(self.cfg.train.steps - self.at.step),
-            "elapsed_s": time.time() - self.log.started_at,
-            "loss": train.get("loss"),
-            "eval_loss": evaluated.get("eval_loss"),
-            "tokens_per_s": train.get("tokens_per_s"),
-            "mfu": train.get("mfu"),
-            "last_checkpoint": self.saver.last,
-            "world_size": len(team.workers),
-            "layout": self._layout(),
-            "wanted": team.wanted,
-            "autoscaling": team.autoscaling,
-            "warm_pool_ready": team.pool.ready(),
-            "warm_pool_starting": len(team.pool.idle) - team.pool.ready(),
-            "recoveries": team.recoveries,
-            "generation": team.generation,
-            "draining_nodes": sorted(team.draining),
-            "health": self.health.status(),
-            "balanced": self.balancer.balanced,
-            "comm": self.cfg.comm.mode,
-            "communication": self._communication(),
-            "members": team.members(),
-        }
-
-    def _communication(self) -> str | None:
-        """Whether communication bounds the run, and what another mode would save (etrain/core/comm_model.py)."""
-        comm = self.cfg.comm
-        advice = advise(list(self.log.recent), comm.topk_ratio, comm.diloco.inner_steps, comm.compression == "topk")
-        return advice["advice"] if advice else None
-
-    def _layout(self) -> dict:
-        """How each replica is laid out, and how many there are (members name each rank's replica, stage, shard)."""
-        par = self.cfg.parallel
-        return par.model_dump() | {"ranks": par.ranks, "replicas": par.replicas(len(self.team.workers))}
+        return status_of(self)
 
     def request_scale(self, workers: int | None = None, replicas: int | None = None) -> None:
         """Ask for `workers` members, or `replicas` replicas of tp × pp × shard members; they join at step boundaries as
         ready workers allow. A manual request pins the size: the autoscaling policy stops for this run."""
-        par = self.cfg.parallel
-        if replicas is not None:
-            if replicas < 1:
-                raise ValueError(f"replicas must be at least 1, got {replicas}")
-            workers = replicas * par.ranks
-        if workers is None or workers < 1:
-            raise ValueError(f"workers must be at least 1, got {workers}")
-        if par.ranks > 1 and (why := par.misfit(workers, self.cfg.train.global_batch, f"workers={workers}")):
-            raise ValueError(
-                f"{why}; ask for --replicas {max(1, par.replicas(workers))}, or --workers in multiples of {par.ranks}"
-                if workers % par.ranks
-                else why
-            )
-        if self.cfg.comm.mode == "ps":
-            raise ValueError("a parameter-server run (comm.mode=ps) keeps its workers: it cannot be resized")
-        ppo = self.cfg.ppo
-        if self.scorers and workers * ppo.minibatches > ppo.rollouts:
-            raise ValueError(
-                f"{workers} workers × ppo.minibatches={ppo.minibatches} exceed ppo.rollouts={ppo.rollouts}: every "
-                "worker needs a rollout for each of its updates"
-            )
-        if self.cfg.train.batch_scaling == "constant" and workers > self.cfg.train.global_batch:
-            raise ValueError(
-                f"workers must not exceed train.global_batch={self.cfg.train.global_batch} (every worker needs a "
-                f"sample), got {workers}"
-            )
-        self.team.request(workers)
-
-
-def _start_scorers(cfg: Config) -> tuple:
-    """PPO's modules are imported here, and parameter-server mode's in `_train_ps`: they bring torch, which the
-    coordinator of any other run needs only to verify a checkpoint it resumes or rolls back to (seconds of a fresh
-    process's start, before every first step)."""
-    from etrain.control import scorers
-
-    return scorers.start(cfg)
-
-
-def _ppo_stepper(parts: tuple, scorers: tuple) -> Stepper:
-    from etrain.control.ppo_step import PPOStepper
-
-    return PPOStepper(*parts, scorers=scorers)
+        self.team.request(wanted_size(self, workers, replicas))

@@ -40,7 +40,7 @@ class Dashboard:
                 "mfu": "model FLOPs utilisation: achieved FLOP/s over the members' peak (GPU only; core/flops.py)",
                 "grad_norm": "gradient norm of the last step (before clipping)",
                 "world_size": "workers in the process group",
-                "replicas": "model replicas in the process group: workers / (parallel.tp * parallel.pp)",
+                "replicas": "model replicas in the process group: workers / (tp * pp * shard of the layout)",
                 "warm_pool_ready": "warm-pool workers ready to join",
                 "cache_hit_rate": "share of the shard requests served from the node caches, since the run started",
                 "checkpoint_stall_seconds": "how long the last save held up training",

@@ -6,7 +6,7 @@ slow (a straggler: compute takes `factor` times as long from then on), nan and s
 loss is poisoned: a non-finite or a huge gradient), and kill_in_allreduce (the process exits
 inside the gradient all-reduce, after sending its first bucket: peers fail mid-collective).
 
-Nodes that fail slowly (README "Node health"): degrade (compute slows a little more each step, then the
+Nodes that fail slowly (docs/elastic.md, "Node health"): degrade (compute slows a little more each step, then the
 process dies at `until`), ecc (the rank's node reports single-bit ECC errors at a rising rate, then an
 uncorrectable one `warning` steps before the process dies at `until`: `FaultPlan.readings`, synthetic), and
 noisy (compute time varies by up to `factor` times, every step; it never fails).

@@ -20,6 +20,7 @@ from etrain.control import telemetry
 from etrain.control.faults import ScriptedTelemetry
 from etrain.core.config import Config
 from etrain.core.health import Drift, NodeHealth, Risk, combine
+from etrain.core.modes import mode_of
 from etrain.core.records import Health
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class HealthWatch:
         self.cfg, self.c, self.team, self.faults, self.log = cfg, cfg.health, team, faults, log
         self.nodes: dict[str, NodeHealth] = {}
         self.drift = Drift(self.c)
+        self.own_speeds = mode_of(cfg).splits_by_speed  # each member's speed is its own (not a replica's ranks')
         self.script = ScriptedTelemetry(self.c.script) if self.c.script else None
         self.risk: dict[str, Risk] = {}
         self.level: dict[str, str] = {}  # node -> its last recorded action
@@ -48,7 +50,7 @@ class HealthWatch:
     def stepped(self, step: int, speeds: list[float] | None) -> None:
         """After each committed step: the ranks' speeds, and the readings of ecc drills."""
         workers = self.team.workers
-        if speeds and len(speeds) == len(workers) and self.team.ranks == 1:
+        if speeds and len(speeds) == len(workers) and self.own_speeds:
             self.drift.observe(workers, speeds)
         node_of = {rank: self.team.nodes.get(w) for rank, w in enumerate(workers)}
         scripted = self.script.readings(step, node_of) if self.script else []

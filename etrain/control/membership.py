@@ -29,6 +29,7 @@ from etrain.control.step import Position
 from etrain.core.config import Config
 from etrain.core.errors import why
 from etrain.core.flops import flops_per_token, mfu
+from etrain.core.modes import mode_of
 from etrain.core.records import JOIN_PHASES, Autoscale, Membership, Warn
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class Team:
         self.cfg, self.data, self.balancer, self.log, self.resume_hint = cfg, data, balancer, log, resume_hint
         self.workers = workers
         self.ranks = cfg.parallel.ranks  # members per replica, the unit of membership
+        self.mode = mode_of(cfg)
         self.wanted = len(workers)  # asked for by `etrain scale` or the autoscaling policy
         self.autoscaling = cfg.cluster.max_workers is not None
         self.pool = WarmPool(cfg, manifest, self.retire)
@@ -287,7 +289,7 @@ class Team:
             raise JobError(
                 f"no whole replica left and {self.pool.ready()} of the {self.ranks} workers it needs ready in the warm "
                 f"pool within timeouts.join_s (cluster.warm_pool={self.cfg.cluster.warm_pool}); {self.resume_hint}"
-                if self.ranks > 1
+                if self.mode.placed_state
                 else f"no worker left and none ready in the warm pool within timeouts.join_s; {self.resume_hint}"
             )
         self.balancer.forget(members + joiners)
@@ -322,7 +324,7 @@ class Team:
             self.data.attach([w for w, _ in fresh], [n for _, n in fresh], at.cursor), members, "cache attach", join_s
         )
         behind = [w for w, i in zip(members, infos) if i["applied"] != step]
-        if behind and reason != "start" and whole is None and self.ranks == 1:
+        if behind and reason != "start" and whole is None and not self.mode.placed_state:
             source = next((w for w, i in zip(members, infos) if i["applied"] == step), None)
             if source is None:
                 raise JobError(f"no live worker holds step {step}; {self.resume_hint}")
@@ -331,7 +333,7 @@ class Team:
         phases["migrate"] = time.perf_counter() - t
         t = time.perf_counter()
         self.gather([w.leave.remote() for w in members], members, "group exit", join_s)
-        if whole is not None and self.ranks == 1:  # a laid-out rank takes its part of it once in the group
+        if whole is not None and not self.mode.placed_state:  # a laid-out rank takes its part once in the group
             loaded = time.perf_counter()
             self.gather([w.load_state.remote(whole, step) for w in members], members, "state migration", join_s)
             phases["migrate"] += time.perf_counter() - loaded
@@ -341,7 +343,7 @@ class Team:
         joins = [w.join.remote(rank, len(members), host, port, self.generation) for rank, w in enumerate(members)]
         applied = self.gather(joins, members, "process group formation", join_s)
         phases["reform"] = time.perf_counter() - t
-        if self.ranks > 1 and (whole is not None or reason != "start"):
+        if self.mode.placed_state and (whole is not None or reason != "start"):
             t = time.perf_counter()
             if whole is not None:  # each rank its part of the checkpoint's whole model
                 self.gather([w.load_state.remote(whole, step) for w in members], members, "state load", join_s)
@@ -417,7 +419,7 @@ class Team:
         par = self.cfg.parallel
         return [
             {"rank": r, "node": self.nodes[w], "pid": self.pids[w], "speed": self.balancer.speeds.get(w)}
-            | (asdict(par.place(r)) if par.ranks > 1 else {})
+            | (asdict(par.place(r)) if self.mode.placed_state else {})
             for r, w in enumerate(self.workers)
             if w in self.pids
         ]

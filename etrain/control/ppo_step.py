@@ -1,15 +1,18 @@
 """A PPO step as a transaction on the coordinator: Stepper's, with each worker's share of the step's prompts in
-place of a data batch (etrain/worker/rollout.py does the work), the KL coefficient the steps adapt, and the
-evaluation of the policy's mean reward on held-out prompts."""
+place of a data batch (etrain/worker/rollout.py does the work), the KL coefficient the steps adapt, the evaluation
+of the policy's mean reward on held-out prompts, and the scorers (the reference model and the reward, actors of
+their own: scorers.py) that this stepper starts and stops."""
 
 from __future__ import annotations
 
 import time
 
 import numpy as np
+import ray
 
+from etrain.control import scorers
 from etrain.control.gather import WorkersLost
-from etrain.control.step import Outcome, Position, Stepper
+from etrain.control.step import Outcome, Position, Stepper, evaluate
 from etrain.core.ppo import AdaptiveKL
 from etrain.worker.protocol import StepReport
 
@@ -17,10 +20,10 @@ MEANS = ("reward", "kl", "kl_coef", "response_len", "clip_fraction", "entropy", 
 
 
 class PPOStepper(Stepper):
-    def __init__(self, *args, scorers: tuple):
+    def __init__(self, *args):
         super().__init__(*args)
         ppo = self.cfg.ppo
-        self.scorers = scorers
+        self.scorers = scorers.start(self.cfg)
         self.kl = AdaptiveKL(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
         self.tokens_per_sample = ppo.prompt_len + ppo.response_len
 
@@ -29,8 +32,9 @@ class PPOStepper(Stepper):
         workers, n, count = self.team.workers, at.step + 1, self.cfg.ppo.rollouts
         shares = np.array_split(np.arange(at.cursor, at.cursor + count), len(workers))  # prompt indices
         faults = self.faults_due(n, at.cursor)
+        work = {"beta": self.kl.beta, "lr_scale": self.guards.lr_scale, "scorers": self.scorers}
         refs = [
-            w.ppo_step.remote(n, ids, self.kl.beta, self.guards.lr_scale, self.scorers, faults.get(rank))
+            w.step.remote(n, work | {"indices": ids}, faults.get(rank))
             for rank, (w, ids) in enumerate(zip(workers, shares))
         ]
         try:
@@ -45,24 +49,44 @@ class PPOStepper(Stepper):
         self.commit(at, count, reports, time.perf_counter() - started, extra)
         return Outcome()
 
+    def evaluate(self, faults: dict) -> tuple[float | None, float | None]:
+        """The held-out loss (faults injected into the reward's measure alone) and the policy's mean reward."""
+        return evaluate(self.team, self.data.eval_ids, {}), self.reward(faults)
+
+    def evaluates_first(self, step: int) -> bool:
+        """A run from its base measures the base policy's reward first (once): the rise is measured against it."""
+        return step == 0 and not self.log.recorded("eval", 0)
+
+    def check_size(self, workers: int) -> None:
+        ppo = self.cfg.ppo
+        if workers * ppo.minibatches > ppo.rollouts:
+            raise ValueError(
+                f"{workers} workers × ppo.minibatches={ppo.minibatches} exceed ppo.rollouts={ppo.rollouts}: every "
+                "worker needs a rollout for each of its updates"
+            )
+
+    def close(self) -> None:
+        for actor in self.scorers:
+            ray.kill(actor)
+
     def reward(self, faults: dict | None = None) -> float:
         """The policy's mean reward on the held-out prompts, split over the members. WorkersLost as evaluate."""
         workers, faults = self.team.workers, faults or {}
         shares = np.array_split(np.arange(self.cfg.ppo.eval_prompts), len(workers))
         refs = [
-            w.ppo_evaluate.remote(ids, self.scorers, faults.get(r)) for r, (w, ids) in enumerate(zip(workers, shares))
+            w.evaluate.remote({"indices": ids, "scorers": self.scorers}, faults.get(r))
+            for r, (w, ids) in enumerate(zip(workers, shares))
         ]
         results = self.team.gather(refs, workers, "reward evaluation")
         return sum(r[0] for r in results) / sum(r[1] for r in results)
 
-    @property
-    def suspects(self) -> str:
+    def suspects(self) -> tuple[str, ...]:
         """What a non-finite PPO gradient points at: the value head regresses the reward's scores."""
         last = self.log.latest.get("train", {}).get("reward")
         seen = f" (the last step's mean: {last:.3g})" if last is not None else ""
         return (
             f"check the scale of reward {self.cfg.ppo.reward}'s scores{seen}: the value head learns them, so keep "
-            "them within about ±10; or lower optim.lr"
+            "them within about ±10; or lower optim.lr",
         )
 
     def state(self) -> dict:

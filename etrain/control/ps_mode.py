@@ -18,32 +18,45 @@ which update a gradient lands in depends on timing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 import ray
 
 from etrain.control.control import JobError, due
+from etrain.control.gather import WorkersLost
 from etrain.control.ps import ParamShard, assign_shards
-from etrain.core.config import Config
+from etrain.control.step import Stepper
 from etrain.core.records import PSSummary, Train
 from etrain.data import order
 
 
-class PSTraining:
-    """Driven by the coordinator instead of its step loop; it hands over what this mode uses: the group (its
-    workers), the data layout, the run's position (moved here), its log, the fault plan, a wait that fails the
-    job on a lost worker (this mode has no recovery), and the evaluation and checkpoint to run at quiet points."""
+class PSTraining(Stepper):
+    """The stepper of the one mode that does not go through the coordinator's state machine (its spec's own_loop):
+    with no process group and no step barrier there is no step boundary to decide at. Workers push as they finish,
+    the shards count steps, evaluations and checkpoints come at those counts, and a lost worker ends the job (it
+    cannot recover, or be resized)."""
 
-    def __init__(
-        self, cfg: Config, team, data, at, log, faults, gather: Callable, evaluate: Callable, checkpoint: Callable
-    ):
-        self.cfg, self.team, self.data, self.at, self.log, self.faults = cfg, team, data, at, log, faults
-        self.gather, self.evaluate, self.checkpoint = gather, evaluate, checkpoint
-        self.per_worker = cfg.train.global_batch // len(team.workers)
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.per_worker = self.cfg.train.global_batch // self.cfg.cluster.num_workers
         self.shards: list = []
         self.pushes: list[dict] = []  # push results since the last train record
         self.due: dict[int, dict] = {}  # rank -> injected fault due, given with that rank's next batch
+
+    def drive(self, coordinator, resume: bool) -> None:
+        """The run from its start (or its checkpoint) to its end, for the coordinator: its position, the wait that
+        fails the job on a lost member, its evaluation and checkpoint, each at a quiet point."""
+        self.coordinator, self.at, self.gather = coordinator, coordinator.at, coordinator.gather_all
+        try:
+            self.team.start_ps(self.at)
+        except WorkersLost as gone:
+            raise JobError(f"{gone}; {coordinator.hint}") from None
+        point = coordinator.resume_point() if resume else None
+        try:
+            self.start(point.ckpt.parts if point is not None and point.ckpt is not None else None)
+            self.run()
+        finally:
+            self.close()
 
     def start(self, restored: dict | None) -> None:
         """Shards spread over the nodes, filled from worker 0's parameters and optimizer moments."""
@@ -51,7 +64,7 @@ class PSTraining:
         lead = workers[0]
         if restored is not None:
             self.gather([lead.load_state.remote(restored, at.step)], "state load")
-        params, moments = self.gather([lead.ps_export.remote()], "parameter export")[0]
+        params, moments = self.gather([lead.call.remote("export")], "parameter export")[0]
         names = assign_shards({n: tuple(t.shape) for n, t in params.items()}, comm.ps_shards)
         actor = ray.remote(ParamShard).options(num_cpus=0, max_concurrency=256, scheduling_strategy="SPREAD")
         optim = cfg.optim.model_dump()
@@ -78,7 +91,7 @@ class PSTraining:
                 for part in names
             ]
             self.gather([s.load.remote(part) for s, part in zip(self.shards, parts)], "shard load")
-        self.gather([w.ps_attach.remote(self.shards, names, i) for i, w in enumerate(workers)], "shard attach")
+        self.gather([w.call.remote("attach", self.shards, names, i) for i, w in enumerate(workers)], "shard attach")
 
     def run(self) -> None:
         """Hand out batches until train.steps × global_batch samples are applied; evaluate and checkpoint at quiet
@@ -91,13 +104,21 @@ class PSTraining:
             )
         while at.step < cfg.train.steps:
             self._train_until(self._next_quiet_step() * cfg.train.global_batch)
-            self.gather([w.ps_pull.remote(computing=False) for w in self.team.workers], "parameter pull")
-            self.evaluate()
+            self.gather([w.call.remote("pull", computing=False) for w in self.team.workers], "parameter pull")
+            if due(at.step, cfg.train.eval_every, cfg.train.steps):
+                self._quietly(self.coordinator.evaluate, "an evaluation")
             if due(at.step, cfg.checkpoint.every, cfg.train.steps):
-                params, moments = self.state()
-                self.gather([self.team.workers[0].ps_state.remote(params, moments, at.step)], "checkpoint")
-                self.checkpoint()
+                params, moments = self.shard_state()
+                self.gather([self.team.workers[0].call.remote("take_state", params, moments, at.step)], "checkpoint")
+                self._quietly(self.coordinator.checkpoint, "a checkpoint")
         self.log.record(PSSummary(at.step, self.gather([s.stats.remote() for s in self.shards], "shard stats")))
+
+    def _quietly(self, act, what: str) -> None:
+        """An evaluation or a checkpoint at a quiet point; a member lost in it ends the job (no recovery here)."""
+        if act() is not None:
+            raise JobError(
+                f"a worker was lost during {what}, and parameter-server mode cannot recover; {self.coordinator.hint}"
+            )
 
     def _next_quiet_step(self) -> int:
         cfg, step = self.cfg, self.at.step
@@ -114,7 +135,9 @@ class PSTraining:
                 rank = idle.pop(0)
                 ids = order.take(self.data.layout, dispatched, min(self.per_worker, until - dispatched))
                 self.due |= self.faults.due(at.step + 1)
-                in_flight[workers[rank].ps_step.remote(at.step + 1, ids, dispatched, self.due.pop(rank, None))] = rank
+                in_flight[
+                    workers[rank].step.remote(at.step + 1, {"ids": ids, "cursor": dispatched}, self.due.pop(rank, None))
+                ] = rank
                 dispatched += len(ids)
             done, _ = ray.wait(list(in_flight), num_returns=1, timeout=step_s)
             if not done:
@@ -152,7 +175,7 @@ class PSTraining:
         }
         self.log.record(record)
 
-    def state(self) -> tuple[dict, dict]:
+    def shard_state(self) -> tuple[dict, dict]:
         """Every shard's parameters and optimizer moments, merged by name."""
         states = self.gather([s.state.remote() for s in self.shards], "shard state")
         return (

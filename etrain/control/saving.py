@@ -115,10 +115,11 @@ class Saver:
             return "light" if self.base is not None else "full"
         return None
 
-    def begin(self, step: int, workers: list, sharded: bool, meta: dict) -> None:
-        """Have the writers stage and write their parts of the state at `step`: every rank its optimizer
-        shard under ZeRO-1 and its residuals under top-k (full saves), else rank 0 alone; with a layout, the
-        first replica's ranks, each its own tensors (DCP).
+    def begin(self, step: int, workers: list, meta: dict) -> None:
+        """Have every member stage and write its part of the state at `step`: what that is, its engine says (rank 0
+        the weights, the optimizer and the schedule; under ZeRO-1 each rank its optimizer shard, under top-k its
+        residuals, under DiLoCo its inner optimizer; in a layout the first replica's ranks their tensors, with DCP;
+        the others nothing).
         The step loop waits only for the staging (and for the previous save, if still in flight); synchronous
         saves and the last step's are waited for.
         WorkersLost if a writer is lost before it staged: the step is saved again once the group has recovered."""
@@ -126,10 +127,6 @@ class Saver:
         try:
             self.finish()
             level = self.level(step) or "full"
-            # a layout's first replica writes its tensors rank by rank (DCP)
-            # shards, top-k's residuals, DiLoCo's inner optimizer states (one per worker)
-            every_rank = sharded or self.cfg.comm.compression == "topk" or self.cfg.comm.mode == "diloco"
-            writers = workers if every_rank and level == "full" else workers[: self.cfg.parallel.ranks]
             try:
                 path = checkpoint.prepare(self.uri, step)
             except STORAGE_ERRORS as e:  # storage refuses: training goes on, the last good checkpoint stays the last
@@ -143,12 +140,13 @@ class Saver:
             background = self.cfg.checkpoint.async_save
             hashes = self.base["hashes"] if level == "light" else None
             try:
-                self._gather(
-                    [w.checkpoint_begin.remote(path, level, hashes, background) for w in writers], workers, "checkpoint"
+                writing = self._gather(
+                    [w.checkpoint_begin.remote(path, level, hashes, background) for w in workers], workers, "checkpoint"
                 )
             except WorkersLost:  # not saved: due again once the group has recovered
                 self.last_full = before
                 raise
+            writers = [w for w, on in zip(workers, writing) if on]
             self.saving = Save(path, meta, writers, started, time.perf_counter() - started, before)
             if not background or step == self.cfg.train.steps:
                 self.finish()

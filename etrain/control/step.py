@@ -21,6 +21,7 @@ import ray
 from etrain.control.control import due
 from etrain.control.gather import WorkersLost
 from etrain.core.config import Config
+from etrain.core.modes import Mode
 from etrain.core.records import Balance, Outlier, Train
 from etrain.data import order
 from etrain.worker.protocol import StepReport
@@ -65,8 +66,12 @@ class Sent:
 
 
 class Stepper:
-    def __init__(self, cfg: Config, team, data, balancer, guards, faults, saver, log):
-        self.cfg, self.team, self.data, self.balancer = cfg, team, data, balancer
+    """What a step of the run's mode is, for the coordinator (its spec names it: etrain/core/modes.py): the
+    training step of the data-parallel, laid-out and DiLoCo modes here; PPO's (ppo_step.py) and parameter-server
+    mode's (ps_mode.py) beside it."""
+
+    def __init__(self, cfg: Config, mode: Mode, team, data, balancer, guards, faults, saver, log):
+        self.cfg, self.mode, self.team, self.data, self.balancer = cfg, mode, team, data, balancer
         self.guards, self.faults, self.saver, self.log = guards, faults, saver, log
         self.tokens_per_sample = cfg.model.seq_len
         self.ahead: Sent | None = None  # the next step, sent before this one's reports came back
@@ -77,6 +82,25 @@ class Stepper:
 
     def load(self, meta: dict) -> None:
         """Back to a checkpoint's `state()`."""
+
+    def evaluate(self, faults: dict) -> tuple[float | None, float | None]:
+        """The held-out loss over the members (`faults`: rank -> an injected fault, during: eval), and no reward.
+        WorkersLost if a member is lost meanwhile: this evaluation is lost with it."""
+        return evaluate(self.team, self.data.eval_ids, faults), None
+
+    def evaluates_first(self, step: int) -> bool:
+        """Whether the run measures its start before any step (PPO's base policy's reward): no."""
+        return False
+
+    def suspects(self) -> tuple[str, ...]:
+        """What a non-finite gradient points at, beside the guards' own advice."""
+        return ()
+
+    def check_size(self, workers: int) -> None:
+        """ValueError if this mode's steps cannot be split over `workers` members (a resize request)."""
+
+    def close(self) -> None:
+        """The stepper's own actors stopped (PPO's scorers); none here."""
 
     def run(self, at: Position) -> Outcome:
         n, workers = at.step + 1, self.team.workers
@@ -126,11 +150,18 @@ class Stepper:
         shares = self.shares(cursor, batch, workers)
         switched = self.balancer.balanced != was_balanced
         # DiLoCo: each worker's gradient is its own, no rank sees the group's norm to judge the batch by
-        limit = math.inf if self.cfg.comm.mode == "diloco" else self.guards.limit(n)
+        limit = self.guards.limit(n) if self.mode.judged else math.inf
         faults = self.faults_due(n, cursor)
         link = self.faults.link(n)
+        work = {
+            "global_batch": batch,
+            "cursor": cursor,
+            "lr_scale": self.guards.lr_scale,
+            "max_norm": limit,
+            "link": link,
+        }
         refs = [
-            w.train_step.remote(n, ids, batch, cursor, faults.get(rank), self.guards.lr_scale, limit, link)
+            w.step.remote(n, work | {"ids": ids}, faults.get(rank))
             for rank, (w, ids) in enumerate(zip(workers, shares))
         ]
         balance = Balance(n, self.balancer.balanced, [len(s) for s in shares]) if switched else None
@@ -138,13 +169,12 @@ class Stepper:
 
     def may_send_ahead(self, n: int, workers: list) -> bool:
         """Whether step n + 1 can go to the workers before step n's reports are back: when nothing but another step
-        can follow step n (no evaluation, save, end or resize is due after it, no fault at n + 1), of data parallelism
-        at one rank a replica. A failure in step n discards it (`drop_ahead`): exactly once holds as before."""
+        can follow step n (no evaluation, save, end or resize is due after it, no fault at n + 1), in a mode whose
+        spec allows it (data parallelism). A failure in step n discards it (`drop_ahead`): exactly once holds."""
         c = self.cfg
         return (
             c.train.send_ahead
-            and c.comm.mode == "allreduce"
-            and self.team.ranks == 1
+            and self.mode.sends_ahead
             and n < c.train.steps
             and not due(n, c.train.eval_every, c.train.steps, c.window)
             and self.saver.level(n) is None
@@ -168,9 +198,10 @@ class Stepper:
                 pass
 
     def shares(self, cursor: int, batch: int, workers: list) -> list[np.ndarray]:
-        """Each member's sample ids: split by measured speed; with a layout, split over the replicas (each share a
-        whole number of pipeline micro-batches), every rank of a replica reading its replica's."""
-        if self.team.ranks == 1:
+        """Each member's sample ids: split by measured speed where each member is a replica; otherwise split over the
+        replicas (each share a whole number of pipeline micro-batches), every rank of a replica reading its
+        replica's."""
+        if self.mode.splits_by_speed:
             return order.plan_step(self.data.layout, cursor, batch, self.balancer.weights(workers))
         par = self.cfg.parallel
         per = par.per_replica
@@ -250,6 +281,6 @@ def evaluate(team, eval_ids: np.ndarray, faults: dict | None = None) -> float | 
     shares = order.split(eval_ids, [1.0] * replicas) if len(eval_ids) >= replicas else [eval_ids]
     shares = [shares[par.place(rank).replica] for rank in range(len(shares) * par.ranks)]  # a replica's ranks alike
     faults = faults or {}
-    refs = [w.evaluate.remote(s, faults.get(rank)) for rank, (w, s) in enumerate(zip(workers, shares))]
+    refs = [w.evaluate.remote({"ids": s}, faults.get(rank)) for rank, (w, s) in enumerate(zip(workers, shares))]
     results = team.gather(refs, workers, "evaluation")  # within timeouts.step_s, named when it runs out
     return sum(r[0] for r in results) / sum(r[1] for r in results)

@@ -1,7 +1,7 @@
 """When a communication mode pays: the bytes a ring collective puts on each rank's link, and a step-time model that
 tells, from a run's measured step split and bytes, what another mode would save.
 
-The model (README, "Gradient sync"): a step takes T = C + M, where M (the records' communication_s) is the time
+The model (docs/gradient-sync.md): a step takes T = C + M, where M (the records' communication_s) is the time
 spent on collectives beyond the local backward pass, and M grows with the bytes each rank puts on its link at the
 seconds per byte the run measured. Another mode changes only M, by the ratio of its wire bytes to the run's:
 

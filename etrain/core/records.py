@@ -2,7 +2,7 @@
 
 Every write is whole-file atomic or a single appended line, so a crash leaves
 files that parse. The record kinds are the dataclasses here; each is built where
-its event happens and written as a dict with its `kind` (README, "Records").
+its event happens and written as a dict with its `kind` (docs/reference/records.md).
 """
 
 from __future__ import annotations

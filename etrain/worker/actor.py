@@ -1,6 +1,6 @@
 """Training worker: one Ray actor, one rank of the process group. The actor is the worker's identity and its
-envelope: warm-up, the data it reads, the process group it joins and leaves, the timed step with its faults,
-checkpoint I/O. What a step does with the model is its engine's (engine.py): one per mode, fixed by the config.
+envelope: warm-up, the data it reads, the process group it joins and leaves, a step's fault and seed, checkpoint
+I/O. What a step does with the model is its engine's (engine.py): the one its mode names (etrain/core/modes.py).
 
 A worker is built (torch imported, model and optimizer made, data opened)
 before it joins a process group, so joining is cheap: the coordinator keeps
@@ -14,20 +14,17 @@ import time
 LOADING = time.time()  # when this process began loading the worker's code: its Ray start ends, its imports begin
 
 import gc
-import math
 import os
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 
-import numpy as np
 import psutil
 import ray
 import torch
 import torch.distributed as dist
 
-from etrain.core import rewards
 from etrain.core.checkpoint import (
     DCP,
     LIGHT,
@@ -41,17 +38,13 @@ from etrain.core.checkpoint import (
 )
 from etrain.core.config import Config
 from etrain.core.flops import peak_flops
-from etrain.data import tokenizer
+from etrain.core.modes import mode_of
 from etrain.data.order import Layout, take
 from etrain.data.shards import ShardReader
 from etrain.data.stream import StreamingReader
-from etrain.worker import rollout, zero_state
-from etrain.worker.compute import train_on
-from etrain.worker.data_parallel import DataParallel
-from etrain.worker.diloco import Diloco
-from etrain.worker.engine import Engine, peak_rss
+from etrain.worker import zero_state
+from etrain.worker.engine import Engine, WorkerIO
 from etrain.worker.injection import Injected, apply, tick
-from etrain.worker.param_server import ParamServer
 from etrain.worker.protocol import StepReport
 
 
@@ -62,16 +55,9 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 
 def make_engine(cfg: Config, device: torch.device) -> Engine:
-    """The engine of this run's mode: one per run, fixed by its config."""
-    if cfg.comm.mode == "ps":
-        return ParamServer(cfg, device)
-    if cfg.comm.mode == "diloco":
-        return Diloco(cfg, device)
-    if cfg.parallel.ranks > 1:
-        from etrain.worker.laid_out import LaidOut  # DTensor and the pipeline schedules: ~1 s to import
-
-        return LaidOut(cfg, device)
-    return DataParallel(cfg, device)
+    """The engine of this run's mode: one per run, fixed by its config (imported here: a layout's brings DTensor
+    and the pipeline schedules, ~1 s)."""
+    return mode_of(cfg).load_engine()(cfg, device)
 
 
 class TrainWorker:
@@ -86,17 +72,14 @@ class TrainWorker:
             torch.use_deterministic_algorithms(True)
         self.engine = make_engine(cfg, self.device)
         self.manifest = manifest
-        self.train_data: StreamingReader | None = None  # set by attach_cache
-        self.eval_data = ShardReader(manifest, "eval", cfg.data.cache_shards)  # small, read directly
-        self.injected = Injected()
+        # the held-out split is small, read directly; the training split through the node's cache, once attached
+        self.io = WorkerIO(ShardReader(manifest, "eval", cfg.data.cache_shards), Injected(), self.device)
         self._store: dist.TCPStore | None = None
         self._failed: int | None = None  # the step whose failure closed this rank's group, until it joins another
         self._meeting: threading.Event | None = None  # set while join waits for its peers: `release` ends the wait
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")  # one save at a time, off the step's path
         self._saving: Future | None = None
         self.peak_flops = peak_flops(self.device, cfg.train.precision)  # what MFU is measured against (None on CPU)
-        self.task = rewards.load(cfg.ppo.reward) if cfg.ppo.reward else None  # a PPO run's prompts and scores
-        self.codec = tokenizer.for_run(cfg) if cfg.ppo.reward else None  # ... in the model's tokens
         self.marks["built"] = time.time()
 
     def info(self) -> dict:
@@ -119,11 +102,12 @@ class TrainWorker:
 
         With `cursor` (a pool worker waiting to join), open the shard read there now, so the
         first step after joining does not pay for the first call to the cache."""
-        if self.train_data is not None:
-            self.train_data.close()
-        self.train_data = StreamingReader(self.manifest, layout, cache, holder=ray.get_runtime_context().get_actor_id())
+        if self.io.train_data is not None:
+            self.io.train_data.close()
+        holder = ray.get_runtime_context().get_actor_id()
+        self.io.train_data = StreamingReader(self.manifest, layout, cache, holder=holder)
         if cursor is not None:
-            self.train_data.get(take(layout, cursor, 1), cursor)
+            self.io.train_data.get(take(layout, cursor, 1), cursor)
         self.marks.setdefault("attached", time.time())
 
     # -- the process group -------------------------------------------------------------
@@ -206,119 +190,47 @@ class TrainWorker:
     def _begin(self, step: int, fault: dict | None) -> int:
         """Step `step` (its number, 1-based as in its records) starts: its fault injected, a slowly failing node's
         next symptom, and its seed."""
-        apply(fault, self.injected, self.engine.sync)
-        tick(self.injected, step)
+        apply(fault, self.io.injected, self.engine.sync)
+        tick(self.io.injected, step)
         # a TP group's ranks draw alike: dropout on what they all hold (the residual stream) drops the same elements
         return step_seed(self.cfg.train.seed, step, self.engine.rank // self.cfg.parallel.tp)
 
-    def train_step(
-        self,
-        step: int,
-        ids: np.ndarray,
-        global_batch: int,
-        cursor: int,
-        fault: dict | None = None,
-        lr_scale: float = 1.0,
-        max_norm: float = math.inf,
-        link: dict | None = None,
-    ) -> StepReport:
-        """This worker's share of one optimizer step (compute.py), with the step's fault, seed and rows. `link`: a
-        simulated link's fault (etrain/worker/link.py), in force from its step on."""
-        started = time.perf_counter()
-        if (
-            self._failed is not None
-        ):  # sent ahead of the step that failed (etrain/control/step.py): it cannot be committed
+    def step(self, step: int, work: dict, fault: dict | None = None) -> StepReport | dict:
+        """This worker's share of step `step` in its mode, with the step's fault and seed: its engine's `step` on
+        `work`, the arguments its mode's stepper sends (a training step's samples, a PPO step's prompts, a
+        parameter-server push's)."""
+        if self._failed is not None:  # sent ahead of the step that failed (control/step.py): it cannot be committed
             raise RuntimeError(f"step {step} follows step {self._failed}, whose failure closed this rank's group")
-        torch.manual_seed(self._begin(step, fault))
-        engine, sync = self.engine, self.engine.sync
-        engine.link_to(link)
-        rows, data = self.train_data.get(ids, cursor)
+        seed = self._begin(step, fault)
+        torch.manual_seed(seed)
         try:
-            done = train_on(engine, self._tensor(rows), step, global_batch, lr_scale, max_norm, self.injected)
+            report = self.engine.step(self.io, step, seed, **work)
         except Exception:
             self._failed = step
             self._abort_group()
             raise
-        grad_norm = done.grad_norm
-        finite = math.isfinite(grad_norm) or engine.scaler.is_enabled()  # fp16: the scaler skips overflows itself
-        if finite:
-            engine.committed(step)
-            if sync:
-                sync.commit(engine.applied, sent=math.isfinite(grad_norm) and grad_norm <= max_norm)
-        return StepReport(
-            finite=finite,
-            skipped=math.isfinite(grad_norm) and grad_norm > max_norm,
-            loss=done.loss,
-            grad_norm=grad_norm,
-            lr=done.lr,
-            share=len(ids),
-            compute_s=done.compute_s,
-            communication_s=done.communication_s,
-            update_s=done.update_s,
-            worker_s=time.perf_counter() - started,
-            comm_bytes=done.stats.get("comm_bytes", 0),
-            dense_bytes=done.stats.get("dense_bytes", 0),
-            optimizer_bytes=engine.optimizer_bytes(),
-            param_bytes=engine.param_bytes(),
-            peak_rss=peak_rss(),
-            data=data,
-            saving=self._writing(),
-        )
-
-    def ppo_step(
-        self, step: int, indices: np.ndarray, beta: float, lr_scale: float, scorers: tuple, fault: dict | None = None
-    ) -> StepReport:
-        """This worker's share of a PPO step: rollouts of its prompts, then the updates (rollout.py)."""
-        seed = self._begin(step, fault)
-        try:
-            report = rollout.ppo_step(self.engine, self.task, self.codec, indices, beta, lr_scale, scorers, seed)
-        except Exception:
-            self._abort_group()
-            raise
-        if report.finite:
-            self.engine.applied = step
-        report.saving = self._writing()
+        if isinstance(report, StepReport):
+            report.saving = self._writing()
         return report
 
-    def ppo_evaluate(self, indices: np.ndarray, scorers: tuple, fault: dict | None = None) -> tuple[float, int]:
-        apply(fault, self.injected, self.engine.sync)
-        return rollout.evaluate(self.engine, self.task, self.codec, indices, scorers)
+    def evaluate(self, work: dict, fault: dict | None = None) -> tuple[float, int]:
+        """This worker's share of the held-out measure (a loss sum, or PPO's reward sum) and its count."""
+        apply(fault, self.io.injected, self.engine.sync)
+        return self.engine.held_out(self.io, **work)
 
-    @torch.no_grad()
-    def evaluate(self, ids: np.ndarray, fault: dict | None = None) -> tuple[float, int]:
-        """Sum of per-sample mean losses over `ids` (held-out split), and their count."""
-        apply(fault, self.injected, self.engine.sync)
-        self.engine.model.eval()
-        return self.engine.evaluate(self._tensor(self.eval_data.get(ids)))
+    def call(self, verb: str, *args, **kwargs):
+        """One of the engine's own verbs beyond a step (parameter-server mode's attach, pull, export, take_state)."""
+        if verb not in self.engine.VERBS:
+            raise ValueError(
+                f"the {type(self.engine).__name__} engine has no verb {verb!r}; it has {self.engine.VERBS}"
+            )
+        return getattr(self.engine, verb)(*args, **kwargs)
 
     def flat_grad(self) -> torch.Tensor:
         return self.engine.flat_grad()
 
     def optimizer_bytes(self) -> int:
         return self.engine.optimizer_bytes()
-
-    # -- parameter-server mode (etrain/control/ps_mode.py; the engine: param_server.py) ----------
-
-    def ps_attach(self, shards: list, names: list[list[str]], index: int) -> None:
-        self.engine.attach(shards, names, index)
-
-    def ps_pull(self, computing: bool = True) -> None:
-        self.engine.pull(computing)
-
-    def ps_step(self, step: int, ids: np.ndarray, cursor: int, fault: dict | None = None) -> dict:
-        """Pull, compute the gradient of `ids`, push it; return once an update holds it."""
-        started = time.perf_counter()
-        torch.manual_seed(self._begin(step, fault))
-        self.engine.pull()  # the shards count this worker as computing from now on
-        rows, data = self.train_data.get(ids, cursor)
-        pushed = self.engine.push_step(self._tensor(rows), self.injected)
-        return pushed | {"worker_s": time.perf_counter() - started, "data": data}
-
-    def ps_export(self) -> tuple[dict, dict]:
-        return self.engine.export()
-
-    def ps_state(self, params: dict, moments: dict, step: int) -> None:
-        self.engine.take_state(params, moments, step)
 
     # -- state and checkpoints -----------------------------------------------------------
 
@@ -334,16 +246,20 @@ class TrainWorker:
         """Take a live peer's state (bytes) or a checkpoint's parts, which are at `step`."""
         self.engine.load(assemble(data) if isinstance(data, dict) else deserialize(data), step)
 
-    def checkpoint_begin(self, path: str, level: str, base_hashes: dict | None, background: bool = True) -> None:
+    def checkpoint_begin(self, path: str, level: str, base_hashes: dict | None, background: bool = True) -> bool:
         """Copy this rank's part of the state to CPU, then write it under `path`: in the background,
-        so training goes on, unless told otherwise (engine.py `checkpoint_parts` says what each rank writes)."""
+        so training goes on, unless told otherwise (engine.py `checkpoint_parts` says what each rank writes).
+        Whether this rank writes anything: one that does not is no writer of this save (its loss does not fail it)."""
         if self._saving is not None:  # a save the coordinator never collected (it went back past it): let it end
             wait([self._saving])
             self._saving = None
         parts, weights = self.engine.checkpoint_parts(level, path)
+        if not parts and weights is None:
+            return False
         self._saving = self._writer.submit(self._write, path, level, parts, weights, base_hashes)
         if not background:  # written when this returns; checkpoint_wait hands over the files or the error
             wait([self._saving])
+        return True
 
     @ray.method(concurrency_group="control")
     def checkpoint_wait(self) -> dict | None:
@@ -371,9 +287,6 @@ class TrainWorker:
     def _writing(self) -> bool:
         """A checkpoint part is still being written."""
         return self._saving is not None and not self._saving.done()
-
-    def _tensor(self, rows: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
 
 
 def spawn(cfg: Config, manifest: str, count: int, avoid: set[str] = frozenset()) -> list:

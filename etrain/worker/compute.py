@@ -1,16 +1,20 @@
 """A worker's step on its rows, timed by part: forward and backward with the gradient sync overlapping it, clipping
-and the update, DiLoCo's outer step at a window's end. The actor (actor.py) wraps it with the step's fault, seed,
-data and report; bench/gpu.py runs it alone on a GPU, without Ray, against plain torch."""
+and the update, DiLoCo's outer step at a window's end. An engine's `step` (engine.py) wraps it with the step's data
+and report, the actor with its fault and seed; bench/gpu.py runs it alone on a GPU, without Ray, against plain
+torch."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from etrain.worker.engine import Engine
 from etrain.worker.injection import Injected
+
+if TYPE_CHECKING:
+    from etrain.worker.engine import Engine
 
 
 @dataclass

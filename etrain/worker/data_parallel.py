@@ -8,15 +8,12 @@ from contextlib import nullcontext
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from etrain.core.finetune import load_trained_state, trained_state
 from etrain.core.model import LanguageModel
 from etrain.core.optim import (
-    as_optimizer_state,
     make_optimizer,
     make_param_groups,
     optimizer_class,
     optimizer_defaults,
-    whole_groups,
 )
 from etrain.worker import zero_state
 from etrain.worker.compress import GradSync
@@ -76,11 +73,7 @@ class DataParallel(Engine):
             self.optimizer.consolidate_state_dict(to=0)
             if self.rank != 0:
                 return None
-        state = {
-            "model": {k: v.cpu() for k, v in trained_state(self.model).items()},
-            "optimizer": snapshot(self.optimizer.state_dict()),
-            **self.schedule_state(),
-        }
+        state = self.whole_state()
         if self.sharded:  # torch keeps the gathered shards on rank 0 until the next gathering: ZeRO's saving gone
             self.optimizer._all_state_dicts = []
         return state
@@ -94,22 +87,8 @@ class DataParallel(Engine):
                 self.sync.regroup(self.rank, self.world, list(self.model.named_parameters()), step)
             elif self.world == 1:
                 self.sync.drop()
-        plain = make_optimizer(self.model, self.cfg.optim)
-        if "dcp" in state:  # a sharded run's checkpoint: the whole state, gathered from its files
-            from etrain.core.sharded_checkpoint import check_optimizer_state, whole_state  # torch DCP: only for one
-
-            whole = whole_state(state["dcp"])
-            names = whole_groups(self.cfg.model, self.cfg.optim)
-            check_optimizer_state({n for group in names for n in group}, set(whole["optim"]), state["dcp"])
-            state |= {
-                "model": whole["model"],
-                "optimizer": as_optimizer_state(whole["optim"], plain.param_groups, names),
-            }
-        load_trained_state(self.model, state["model"])
-        plain.load_state_dict(state["optimizer"])
-        self.set_optimizer(plain)
+        self.load_whole(state, step)
         self.sharded = False
-        self.load_schedule(state, step)
         if self.cfg.comm.zero and self.world > 1:
             self._shard_optimizer()
 
@@ -117,7 +96,7 @@ class DataParallel(Engine):
         """Rank 0 writes the weights, scheduler and scaler; the optimizer state is rank 0's, or under ZeRO-1 each
         rank writes its own shard; with top-k every rank writes its residuals too (full saves)."""
         lead = self.rank <= 0
-        weights = {k: v.to("cpu", copy=True) for k, v in trained_state(self.model).items()} if lead else None
+        weights = self.weights() if lead else None
         parts: dict = {}
         if level != "full":
             return parts, weights

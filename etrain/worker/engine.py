@@ -1,10 +1,10 @@
 """One worker's training state (model, optimizer, schedule, scaler) and the update every mode shares.
 
 A mode of training is an engine over this state: data_parallel.py (DDP, ZeRO-1, the gradient sync),
-laid_out.py (one rank's part of a tensor/pipeline-parallel replica), param_server.py (shards on parameter
-servers), diloco.py (local inner steps, an outer step every few). The actor (actor.py) picks one from the
-config when it starts (`make_engine`) and calls only the methods below; a new mode (sharded state) is one
-more engine, and one more line there.
+laid_out.py (one rank's part of a tensor/pipeline-parallel replica), diloco.py (local inner steps, an outer step
+every few), rollout.py (PPO's rollouts and updates), param_server.py (shards on parameter servers). The actor
+(actor.py) builds the one its mode names (etrain/core/modes.py) and calls only the methods below: a step, the
+held-out measure, and a mode's own verbs (VERBS); a new mode is one more engine and one more spec.
 """
 
 from __future__ import annotations
@@ -14,21 +14,39 @@ import resource
 import time
 import warnings
 from contextlib import nullcontext
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from etrain.core.config import Config
-from etrain.core.finetune import build_model
+from etrain.core.finetune import build_model, load_trained_state, trained_state
 from etrain.core.model import LanguageModel
-from etrain.core.optim import make_optimizer, make_scheduler
+from etrain.core.optim import as_optimizer_state, make_optimizer, make_scheduler, whole_groups
 from etrain.worker.compress import GradSync
+from etrain.worker.compute import train_on
 from etrain.worker.injection import Injected
 from etrain.worker.link import Link
+from etrain.worker.protocol import StepReport
+
+
+@dataclass
+class WorkerIO:
+    """What an engine's step reads besides its state: the run's data, and the faults injected into this worker."""
+
+    eval_data: object  # the held-out split (a ShardReader)
+    injected: Injected
+    device: torch.device
+    train_data: object | None = None  # the training split through the node's cache (a StreamingReader), once attached
+
+    def tensor(self, rows: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
 
 
 class Engine:
     sync: GradSync | None = None  # the gradient sync's hook, where a kill_in_allreduce fault dies (data parallel)
     link: Link | None = None  # a simulated link the gradient path's collectives wait for (fault kind link)
+    VERBS: tuple[str, ...] = ()  # a mode's own calls beside a step and the held-out measure (the actor's `call`)
 
     def __init__(self, cfg: Config, device: torch.device):
         self.cfg, self.device = cfg, device
@@ -55,6 +73,56 @@ class Engine:
             _, loss = self.model(idx, idx)
         loss.backward()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def step(
+        self,
+        io: WorkerIO,
+        n: int,
+        seed: int,
+        ids: np.ndarray,
+        global_batch: int,
+        cursor: int,
+        lr_scale: float = 1.0,
+        max_norm: float = math.inf,
+        link: dict | None = None,
+    ) -> StepReport:
+        """This worker's share of optimizer step `n` on the samples `ids` (compute.py): the step of every mode the
+        coordinator's state machine runs. `link`: a simulated link's fault (link.py), in force from its step on."""
+        started = time.perf_counter()
+        self.link_to(link)
+        rows, data = io.train_data.get(ids, cursor)
+        done = train_on(self, io.tensor(rows), n, global_batch, lr_scale, max_norm, io.injected)
+        grad_norm = done.grad_norm
+        finite = math.isfinite(grad_norm) or self.scaler.is_enabled()  # fp16: the scaler skips overflows itself
+        if finite:
+            self.committed(n)
+            if self.sync:
+                self.sync.commit(self.applied, sent=math.isfinite(grad_norm) and grad_norm <= max_norm)
+        return StepReport(
+            finite=finite,
+            skipped=math.isfinite(grad_norm) and grad_norm > max_norm,
+            loss=done.loss,
+            grad_norm=grad_norm,
+            lr=done.lr,
+            share=len(ids),
+            compute_s=done.compute_s,
+            communication_s=done.communication_s,
+            update_s=done.update_s,
+            worker_s=time.perf_counter() - started,
+            comm_bytes=done.stats.get("comm_bytes", 0),
+            dense_bytes=done.stats.get("dense_bytes", 0),
+            optimizer_bytes=self.optimizer_bytes(),
+            param_bytes=self.param_bytes(),
+            peak_rss=peak_rss(),
+            data=data,
+        )
+
+    @torch.no_grad()
+    def held_out(self, io: WorkerIO, ids: np.ndarray) -> tuple[float, int]:
+        """The held-out measure on this worker's share: the sum of per-sample mean losses over `ids`, and their
+        count."""
+        self.model.eval()
+        return self.evaluate(io.tensor(io.eval_data.get(ids)))
 
     def join(self, rank: int, world: int) -> int | None:
         """The process group of (rank, world) has formed. With a layout: the step this rank holds its place's
@@ -115,6 +183,35 @@ class Engine:
         off the training state (the write happens in the background). An object may be a callable that waits for
         files written by other means (DCP's own thread) and returns them, name -> size and sha256."""
         raise NotImplementedError
+
+    # -- the whole model's state, as one worker holds it (data parallel, parameter server) -----------------
+
+    def weights(self) -> dict:
+        """The trained weights, copied to CPU (a LoRA run's: its adapters)."""
+        return {k: v.to("cpu", copy=True) for k, v in trained_state(self.model).items()}
+
+    def whole_state(self) -> dict:
+        return {"model": self.weights(), "optimizer": snapshot(self.optimizer.state_dict()), **self.schedule_state()}
+
+    def load_whole(self, state: dict, step: int) -> None:
+        """A whole model's state (a peer's, or a checkpoint's: a sharded run's DCP files read whole) into a new
+        optimizer of this worker's, at `step`."""
+        plain = make_optimizer(self.model, self.cfg.optim)
+        if "dcp" in state:  # a sharded run's checkpoint: the whole state, gathered from its files
+            from etrain.core.sharded_checkpoint import check_optimizer_state, whole_state  # torch DCP: only for one
+
+            whole = whole_state(state["dcp"])
+            names = whole_groups(self.cfg.model, self.cfg.optim)
+            check_optimizer_state({n for group in names for n in group}, set(whole["optim"]), state["dcp"])
+            state |= {
+                "model": whole["model"],
+                "optimizer": as_optimizer_state(whole["optim"], plain.param_groups, names),
+            }
+        load_trained_state(self.model, state["model"])
+        plain.load_state_dict(state["optimizer"])
+        self.set_optimizer(plain)
+        self.load_schedule(state, step)
+        self.applied = step
 
     def optimizer_bytes(self) -> int:
         """Optimizer state this worker holds."""

@@ -1,26 +1,70 @@
-"""Parameter-server mode (etrain/control/ps_mode.py): outside any process group, a worker pulls the shards' parameters,
-computes a gradient and pushes it; the shards (etrain/control/ps.py) apply it. Its checkpoints are a data-parallel
-worker's of one (the shards' state is loaded into it first: `take_state`)."""
+"""Parameter-server mode's engine (the coordinator's side: etrain/control/ps_mode.py): outside any process group, a
+worker pulls the shards' parameters, computes a gradient and pushes it; the shards (etrain/control/ps.py) apply it.
+It holds the whole model, as a data-parallel worker of one does, and its checkpoints are one's: the shards' state is
+loaded into it first (`take_state`), so a checkpoint of this mode resumes in any other and back."""
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
+import numpy as np
 import ray
 import torch
 
 from etrain.core.optim import make_param_groups
-from etrain.worker.data_parallel import DataParallel
-from etrain.worker.engine import snapshot
+from etrain.worker.engine import Engine, WorkerIO, snapshot
 from etrain.worker.injection import Injected
 
 
-class ParamServer(DataParallel):
+class ParamServer(Engine):
+    VERBS = ("attach", "pull", "export", "take_state")  # what etrain/control/ps_mode.py asks of a worker
+
+    def __init__(self, cfg, device):
+        super().__init__(cfg, device)
+        self.shards: list = []  # (a ParamShard actor, the parameter names it holds)
+        self.versions: list[int] = []  # each shard's version this worker's parameters were pulled at
+
     def attach(self, shards: list, names: list[list[str]], index: int) -> None:
         """Work against parameter shards: `index` names this worker to them."""
         self.shards = list(zip(shards, names))
-        self.ddp, self.rank, self.world = self.model, index, 1
+        self.rank, self.world = index, 1
         self.versions = [0] * len(shards)
+
+    def join(self, rank: int, world: int) -> None:
+        raise RuntimeError("a parameter-server worker joins no process group: it works against its shards")
+
+    def leave(self, failed: bool) -> None:
+        """No group to leave: the shards hold the run's state."""
+
+    def step(self, io: WorkerIO, n: int, seed: int, ids: np.ndarray, cursor: int) -> dict:
+        """Pull, compute the gradient of `ids`, push it; return once an update holds it."""
+        started = time.perf_counter()
+        self.pull()  # the shards count this worker as computing from now on
+        rows, data = io.train_data.get(ids, cursor)
+        pushed = self.push_step(io.tensor(rows), io.injected)
+        return pushed | {"worker_s": time.perf_counter() - started, "data": data}
+
+    def forward_backward(self, rows: torch.Tensor, global_batch: int, injected: Injected) -> tuple[float, None]:
+        """This worker's gradient of `rows` alone, each sample's loss weighing 1/`global_batch`: no sync."""
+        losses = self.backward_chunks(self.model, rows, global_batch, injected, nullcontext)
+        return sum(losses), None
+
+    def state(self) -> dict:
+        return self.whole_state()
+
+    def load(self, state: dict, step: int) -> None:
+        self.load_whole(state, step)
+
+    def checkpoint_parts(self, level: str, path: str) -> tuple[dict, dict | None]:
+        """A data-parallel worker of one's, written by worker 0 (the shards' state is taken into it first): the
+        weights, and in a full save the optimizer and schedule."""
+        if self.rank > 0:
+            return {}, None
+        if level != "full":
+            return {}, self.weights()
+        parts = {"optim.pt": snapshot(self.optimizer.state_dict()), "extra.pt": snapshot(self.schedule_state())}
+        return parts, self.weights()
 
     def pull(self, computing: bool = True) -> None:
         """The shards' current parameters into this replica: to compute a gradient on (the shards then

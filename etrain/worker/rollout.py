@@ -1,4 +1,5 @@
-"""One worker's part of a PPO step (actor.py `ppo_step`, over the data-parallel engine), read top to bottom: draw
+"""PPO's engine (Rollouts: the data-parallel engine, stepping by rollouts) and one worker's part of a PPO step, read
+top to bottom (`ppo_step`): draw
 the step's prompts, sample a response to each with the policy, have the reward score them and the reference measure
 them, turn the rewards into advantages whitened over every worker's rollouts, then run the PPO updates, each
 through DDP.
@@ -17,6 +18,8 @@ import ray
 import torch
 import torch.distributed as dist
 
+from etrain.core import rewards
+from etrain.core.config import Config
 from etrain.core.model import sample
 from etrain.core.ppo import (
     boosted,
@@ -29,12 +32,41 @@ from etrain.core.ppo import (
     value_loss,
     whiten,
 )
-from etrain.core.rewards import Task
+from etrain.core.rewards import RewardError, Task
+from etrain.data import tokenizer
 from etrain.data.tokenizer import Codec
-from etrain.worker.engine import peak_rss
-from etrain.worker.protocol import StepReport, wait_for_scores
+from etrain.worker.data_parallel import DataParallel
+from etrain.worker.engine import WorkerIO, peak_rss
+from etrain.worker.protocol import StepReport
 
 NO_DATA = {"hits": 0, "misses": 0, "wait_s": 0.0}  # prompts come from the task, not the shard cache
+
+
+class Rollouts(DataParallel):
+    """A PPO run's engine: a data-parallel worker whose step samples responses to its share of the step's prompts,
+    has them scored (the reference model and the reward are actors the coordinator started: etrain/control/
+    scorers.py) and runs the PPO updates on them; its held-out measure is the reward of held-out prompts. Its
+    prompts and responses go through the run's tokenizer."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        super().__init__(cfg, device)
+        self.task = rewards.load(cfg.ppo.reward)  # the prompts and their scores
+        self.codec = tokenizer.for_run(cfg)  # ... in the model's tokens
+
+    def step(
+        self, io: WorkerIO, n: int, seed: int, indices, beta: float, lr_scale: float, scorers: tuple
+    ) -> StepReport:
+        report = ppo_step(self, self.task, self.codec, indices, beta, lr_scale, scorers, seed)
+        if report.finite:
+            self.applied = n
+        return report
+
+    def held_out(self, io: WorkerIO, ids=None, indices=None, scorers: tuple = ()) -> tuple[float, int]:
+        """The held-out loss on the samples `ids` (every engine's measure), or the reward of the held-out prompts
+        `indices`: a PPO run reports both."""
+        if ids is not None:
+            return super().held_out(io, ids)
+        return evaluate(self, self.task, self.codec, indices, scorers)
 
 
 def prompts_for(task: Task, seed: int, indices, stream: str = "train") -> list[str]:
@@ -187,3 +219,21 @@ def evaluate(engine, task, codec: Codec, indices, scorers: tuple) -> tuple[float
     _, _, _, texts = rollouts(engine, prompts, codec, generator)
     scores = wait_for_scores(scorers[1], prompts, texts, engine.cfg)
     return float(sum(scores)), len(scores)
+
+
+def wait_for_scores(rewarder, prompts: list[str], responses: list[str], cfg: Config, ask=None) -> list[float]:
+    """The reward's scores of a worker's responses, within ppo.reward_timeout_s (one rewarder serves every worker,
+    one call at a time, so the wait includes the calls queued before this one). A slow or failing reward is named
+    (RewardError), never taken for a hung worker. `ask`: the call, made already."""
+    ref = ask if ask is not None else rewarder.score.remote(prompts, responses)
+    limit = cfg.reward_timeout_s()
+    try:
+        return ray.get(ref, timeout=limit)
+    except ray.exceptions.GetTimeoutError:
+        raise RewardError(
+            f"reward {cfg.ppo.reward} did not score {len(responses)} responses within ppo.reward_timeout_s={limit:g} "
+            "(one call at a time serves every worker: the calls before this one count); make it faster, or raise "
+            "ppo.reward_timeout_s (below timeouts.step_s)"
+        ) from None
+    except ray.exceptions.RayTaskError as e:
+        raise e.cause from None  # the reward's own error (RewardError), not Ray's wrapper
