@@ -109,7 +109,7 @@ def ray_train_loop(config: dict) -> None:
 
     from bench.throughput import ray_train_step
     from etrain.core.config import Config
-    from etrain.core.model import GPT
+    from etrain.core.models.gpt.model import GPT
     from etrain.core.optim import make_optimizer, make_scheduler
     from etrain.data import order
     from etrain.data.shards import ShardReader, read_manifest

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from etrain.core.config import Config, load_config  # noqa: E402
 from etrain.core.finetune import build_model  # noqa: E402
 from etrain.core.flops import flops_per_token, peak_flops  # noqa: E402
-from etrain.core.model import make_model  # noqa: E402
+from etrain.core.models import make_model  # noqa: E402
 from etrain.core.optim import make_optimizer, make_param_groups, make_scheduler, optimizer_defaults  # noqa: E402
 from etrain.core.telemetry_sources import NvmlSource  # noqa: E402
 from etrain.worker.compute import train_on  # noqa: E402

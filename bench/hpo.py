@@ -63,7 +63,7 @@ def train_in_process(cfg, run_dir: Path, resume: bool = False, progress: bool = 
     records to RUN_DIR/metrics.jsonl."""
     import torch
 
-    from etrain.core.model import make_model
+    from etrain.core.models import make_model
     from etrain.core.optim import make_optimizer, make_scheduler
     from etrain.data import order
     from etrain.data.shards import ShardReader, read_manifest

@@ -45,7 +45,7 @@ def gpt_of_equal_size() -> list[str]:
     """A GPT as deep and wide as LLAMA, its MLP's width chosen so that the two hold the same number of parameters
     (GPT: 4·d with biases and LayerNorms; Llama: SwiGLU's three matrices, GQA's narrower k and v)."""
     from etrain.core.config import load_config
-    from etrain.core.model import make_model
+    from etrain.core.models import make_model
 
     def count(cfg) -> int:
         import torch
@@ -78,7 +78,7 @@ def run_plain(args) -> dict:
     import torch
     from throughput import plain_loop
 
-    from etrain.core.model import make_model
+    from etrain.core.models import make_model
 
     cfg = speed_config("plain_llama", args)
     torch.manual_seed(cfg.train.seed)
@@ -87,7 +87,7 @@ def run_plain(args) -> dict:
 
 
 def run_ours(variant: str, args) -> dict:
-    from etrain.core.model import make_model
+    from etrain.core.models import make_model
     from etrain.core.records import read_jsonl
     from etrain.driver.job import new_run_dir, train
 

@@ -26,7 +26,8 @@ from rounds import summary
 
 from etrain.core.config import ModelConfig, OptimConfig, ParallelConfig
 from etrain.core.local_ranks import SavedBytes, local_group, tensor_bytes
-from etrain.core.model import GPT, next_token_loss
+from etrain.core.models.gpt.model import GPT
+from etrain.core.models.shared import next_token_loss
 from etrain.core.optim import make_optimizer
 from etrain.core.parallel import Replica, make_mesh
 

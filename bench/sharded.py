@@ -41,7 +41,8 @@ from etrain.core import sharded_checkpoint
 from etrain.core.config import ModelConfig, OptimConfig, ParallelConfig
 from etrain.core.layout_state import full_state, load_full
 from etrain.core.local_ranks import local_group, tensor_bytes
-from etrain.core.model import GPT, InitialWeights
+from etrain.core.models.gpt.model import GPT
+from etrain.core.models.shared import InitialWeights
 from etrain.core.optim import make_optimizer, make_param_groups, optimizer_class, optimizer_defaults
 from etrain.core.parallel import Replica, make_mesh
 

@@ -65,7 +65,7 @@ def run_plain(args) -> list[float]:
     import torch
 
     from etrain.core.config import load_config
-    from etrain.core.model import GPT
+    from etrain.core.models.gpt.model import GPT
 
     cfg = load_config("tiny", overrides(args, 1, args.cpus))
     torch.manual_seed(cfg.train.seed)
@@ -109,7 +109,7 @@ def ray_train_loop(config: dict) -> None:
     import torch
 
     from etrain.core.config import Config
-    from etrain.core.model import GPT
+    from etrain.core.models.gpt.model import GPT
     from etrain.core.optim import make_optimizer, make_scheduler
     from etrain.data.shards import ShardReader
 

@@ -13,7 +13,7 @@ import torch
 
 from etrain.core import hf
 from etrain.core.config import ModelConfig
-from etrain.core.model import make_model
+from etrain.core.models import make_model
 from etrain.data import tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

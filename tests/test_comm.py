@@ -13,7 +13,7 @@ from test_training import form_group
 
 from etrain.core import checkpoint
 from etrain.core.checkpoint import deserialize, load_latest
-from etrain.core.model import GPT
+from etrain.core.models.gpt.model import GPT
 from etrain.core.optim import lr_factor
 from etrain.data.embedded import ensure_corpus
 from etrain.driver.job import train

@@ -122,7 +122,7 @@ def test_config_states_the_models_memory_and_warns_beyond_this_machine(capsys):
 
 
 def test_param_count_matches_the_model():
-    from etrain.core.model import GPT
+    from etrain.core.models.gpt.model import GPT
 
     for overrides in (
         [],

@@ -18,7 +18,7 @@ from etrain.core import checkpoint
 from etrain.core.checkpoint import checkpoint_uri, load_latest
 from etrain.core.config import ConfigError
 from etrain.core.finetune import build_model, finetune_config, load_trained_state
-from etrain.core.model import GPT
+from etrain.core.models.gpt.model import GPT
 from etrain.driver.job import new_run_dir, train
 
 from runs import records, run

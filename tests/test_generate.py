@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from etrain.cli import main
 from etrain.core import hf
 from etrain.core.config import ConfigError, ModelConfig
-from etrain.core.model import make_model
+from etrain.core.models import make_model
 from etrain.data import tokenizer
 from etrain.driver.generate import _draw, generate
 
@@ -144,7 +144,7 @@ def _wrong_shape(d: Path) -> str:
 
 
 def _nan_weights(d: Path) -> str:
-    state = {hf.our_name(k): v for k, v in load_file(d / SHARD).items()}
+    state = {LLAMA.spec.hf.our_name(k): v for k, v in load_file(d / SHARD).items()}
     state["blocks.1.attn.q.weight"][3, 4] = float("nan")
     hf.write(state, LLAMA, d)
     return f"tensor model.layers.1.self_attn.q_proj.weight in {d / SHARD} holds NaN or infinite values"

@@ -12,7 +12,8 @@ import pytest
 from etrain.cli import main
 from etrain.core import checkpoint
 from etrain.core.config import load_config, override
-from etrain.core.model import GPT, make_model
+from etrain.core.models import make_model
+from etrain.core.models.gpt.model import GPT
 from etrain.core.ports import free_port
 from etrain.driver.export import export
 

@@ -111,3 +111,38 @@ def test_no_mode_branches_outside_the_registry(path):
     its policies and its engine and stepper, and never asks again which mode it is in."""
     wrong = mode_tests(path)
     assert not wrong, f"{path.relative_to(ROOT)} branches on the training mode: {wrong}; put it in the mode's spec"
+
+
+FAMILY_FOLDERS = sorted(p.name for p in (ROOT / "etrain" / "core" / "models").iterdir() if (p / "__init__.py").exists())
+OUTSIDE_MODELS = [p for p in SOURCES if not p.is_relative_to(ROOT / "etrain" / "core" / "models")]
+
+
+def family_tests(source: str) -> list[str]:
+    """Where `source` names a family's parts or asks which family it has: an import from a family's folder, or a
+    comparison of something with a family's name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            if any(n.startswith(f"etrain.core.models.{f}") for n in names for f in FAMILY_FOLDERS):
+                found.append(f"line {node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Constant) and s.value in FAMILY_FOLDERS for s in sides):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_family_folders_are_found():
+    assert {"gpt", "llama"} <= set(FAMILY_FOLDERS), FAMILY_FOLDERS
+    caught = "from etrain.core.models.llama.model import Llama\nif cfg.model.family == 'gpt':\n    pass\n"
+    assert len(family_tests(caught)) == 2, "the check finds an import of a family's module and a test of its name"
+    assert not family_tests("if cfg.model.spec.hf is None:\n    pass\n")
+
+
+@pytest.mark.parametrize("path", OUTSIDE_MODELS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_families_only_through_their_spec(path):
+    """Issue 42: one spec per model family (etrain/core/models/<family>/); outside that package the code reads the
+    spec (cfg.model.spec, make_model) and never names a family's modules or tests a family's name."""
+    wrong = family_tests(path.read_text())
+    assert not wrong, f"{path.relative_to(ROOT)} names a model family: {wrong}; put it in the family's spec"

@@ -13,7 +13,7 @@ import transformers
 
 from etrain.core import checkpoint, hf
 from etrain.core.config import ConfigError
-from etrain.core.model import make_model
+from etrain.core.models import make_model
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

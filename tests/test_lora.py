@@ -18,7 +18,7 @@ from etrain.core.finetune import (
     trained_state,
 )
 from etrain.core.lora import LoRALinear, add_adapters, merged_state
-from etrain.core.model import GPT
+from etrain.core.models.gpt.model import GPT
 from etrain.core.optim import make_optimizer
 
 CFG = load_config("tiny")

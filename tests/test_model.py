@@ -3,7 +3,8 @@ import torch
 
 from etrain.cli import main
 from etrain.core.config import load_config
-from etrain.core.model import GPT, make_model
+from etrain.core.models import make_model
+from etrain.core.models.gpt.model import GPT
 
 
 @pytest.mark.parametrize("positions", ["rotary", "learned"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from etrain.core.config import ConfigError, load_config
-from etrain.core.model import GPT
+from etrain.core.models.gpt.model import GPT
 from etrain.core.optim import lr_factor, make_optimizer, make_scheduler
 
 

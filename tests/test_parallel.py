@@ -17,7 +17,9 @@ from etrain.core import hf, sharded_checkpoint
 from etrain.core.config import ModelConfig, OptimConfig, ParallelConfig, load_config
 from etrain.core.layout_state import full_state, load_full, whole
 from etrain.core.local_ranks import local_group, rank_context
-from etrain.core.model import GPT, InitialWeights, make_model
+from etrain.core.models import make_model
+from etrain.core.models.gpt.model import GPT
+from etrain.core.models.shared import InitialWeights
 from etrain.core.optim import make_optimizer
 from etrain.core.parallel import Replica, make_mesh, stage_layers
 

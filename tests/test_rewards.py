@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from etrain.core.config import ConfigError, load_config
-from etrain.core.model import GPT, sample
+from etrain.core.models.gpt.model import GPT
+from etrain.core.models.shared import sample
 from etrain.core.rewards import TASKS, RewardError, Task, brackets, digits, length, load, probe, score_all
 from etrain.data import tokenizer
 

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as torch_dcp
 from etrain.core import checkpoint, sharded_checkpoint
 from etrain.core.config import ConfigError, load_config, override
 from etrain.core.finetune import check_base, model_only
-from etrain.core.model import GPT
+from etrain.core.models.gpt.model import GPT
 from etrain.core.sharded_checkpoint import SavedWeights, read_metadata, state_dict, whole_state, written
 
 from runs import records, run

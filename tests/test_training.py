@@ -11,7 +11,7 @@ import ray
 import torch
 
 from etrain.core import checkpoint
-from etrain.core.model import GPT
+from etrain.core.models.gpt.model import GPT
 from etrain.core.records import START_PHASES, read_jsonl
 from etrain.data import order
 from etrain.data.cache import ShardCache

@@ -26,7 +26,7 @@ def test_a_wheel_installed_in_a_fresh_venv_trains_with_no_checkout_on_its_path(t
     subprocess.run([*build, str(source)], check=True, cwd=tmp_path, capture_output=True)
     (wheel,) = dist.glob("etrain-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    for needed in ("etrain/worker/actor.py", "etrain/core/models/llama.py", "etrain/configs/tiny.yaml"):
+    for needed in ("etrain/worker/actor.py", "etrain/core/models/llama/model.py", "etrain/configs/tiny.yaml"):
         assert needed in shipped, needed
     assert {"etrain/configs/grafana/etrain.json", "etrain/driver/local_cluster.yaml"} <= shipped
 

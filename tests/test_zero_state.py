@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from etrain.core.config import load_config
-from etrain.core.model import GPT
+from etrain.core.models.gpt.model import GPT
 from etrain.core.optim import make_optimizer, make_param_groups, make_scheduler, optimizer_class, optimizer_defaults
 from etrain.worker.zero_state import local_part, merge, param_groups
 

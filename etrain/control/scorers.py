@@ -10,7 +10,7 @@ import torch
 
 from etrain.core.config import Config
 from etrain.core.finetune import load_base
-from etrain.core.model import make_model
+from etrain.core.models import make_model
 from etrain.core.ppo import token_logprobs
 from etrain.core.rewards import load, score_all
 

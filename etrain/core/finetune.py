@@ -26,7 +26,8 @@ from etrain.core.config import (
     validate,
 )
 from etrain.core.lora import adapters, add_adapters, is_adapter, trainable
-from etrain.core.model import LanguageModel, make_model
+from etrain.core.models import make_model
+from etrain.core.models.shared import LanguageModel
 from etrain.core.storage import STORAGE_ERRORS, describe
 
 VALUE_HEAD = "value_head."  # a PPO run's, trained beside the language model

@@ -26,10 +26,8 @@ GPU_PEAKS_TFLOPS = {
 
 
 def flops_per_token(model: ModelConfig, params: int, trainable: int | None = None) -> float:
-    """Training FLOPs per token: 6 per parameter plus attention (PaLM appendix B, as nanoGPT counts). A frozen
-    parameter (a LoRA run's base) costs 4: the forward and the gradient through it, no gradient of its own."""
-    trainable = params if trainable is None else trainable
-    return 4 * params + 2 * trainable + 12 * model.n_layer * model.n_head * model.head_width * model.seq_len
+    """Training FLOPs per token, as the model's family counts them (etrain/core/models/family.py)."""
+    return model.spec.flops_per_token(model, params, params if trainable is None else trainable)
 
 
 def peak_flops(device, precision: str) -> float | None:

@@ -1,8 +1,8 @@
-"""Hugging Face model directories in and out: `config.json` onto our model section (family llama; what the Llama
-model does not implement refused by name), weights by name from `*.safetensors` (one file or an index of shards),
-and the same written back so that `transformers.AutoModelForCausalLM.from_pretrained` loads it. A directory is read
-on local disk or any fsspec URI (s3://...), a tensor at a time with ranged reads of its file; never a hub download.
-Written on local disk."""
+"""Hugging Face model directories in and out: `config.json` onto our model section by the family whose format
+reads its architecture (etrain/core/models/<family>/: its names and config.json both ways), weights by name from
+`*.safetensors` (one file or an index of shards), and the same written back so that
+`transformers.AutoModelForCausalLM.from_pretrained` loads it. A directory is read on local disk or any fsspec URI
+(s3://...), a tensor at a time with ranged reads of its file; never a hub download. Written on local disk."""
 
 from __future__ import annotations
 
@@ -19,23 +19,10 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from etrain.core.config import ConfigError, ModelConfig
+from etrain.core.models import FAMILIES, HFFormat, by_architecture
 from etrain.core.storage import STORAGE_ERRORS
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 INDEX = "model.safetensors.index.json"
-# Hugging Face's names -> ours, per block and outside them
-BLOCK = {
-    "self_attn.q_proj": "attn.q",
-    "self_attn.k_proj": "attn.k",
-    "self_attn.v_proj": "attn.v",
-    "self_attn.o_proj": "attn.o",
-    "mlp.gate_proj": "mlp.gate",
-    "mlp.up_proj": "mlp.up",
-    "mlp.down_proj": "mlp.down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "mlp_norm",
-}
-OUTSIDE = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "head"}
 
 
 def read_config(directory: str | Path) -> ModelConfig:
@@ -55,72 +42,31 @@ def read_config(directory: str | Path) -> ModelConfig:
     try:
         return _model(cfg, path)
     except KeyError as e:
-        raise ConfigError(f"{path} has no {e.args[0]!r}, which a {_architecture(cfg, path)} config holds") from None
+        raise ConfigError(f"{path} has no {e.args[0]!r}, which a {architecture(cfg, path)} config holds") from None
     except ValidationError as e:
         why = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
         raise ConfigError(f"{path} does not describe a model this trainer builds ({why})") from None
 
 
-def _architecture(cfg: dict, path: str) -> str:
-    by_type = {family: arch for arch, family in ARCHITECTURES.items()}
+def architecture(cfg: dict, path: str) -> str:
+    """config.json's architecture (or, without `architectures`, the one of its model_type): ConfigError unless a
+    family reads it."""
+    known = [arch for spec in FAMILIES.values() if spec.hf for arch in spec.hf.architectures]
+    by_type = {arch.removesuffix("ForCausalLM").lower(): arch for arch in known}
     named = cfg.get("architectures") or [by_type.get(cfg.get("model_type"), f"of model_type {cfg.get('model_type')}")]
-    if named[0] not in ARCHITECTURES:
-        raise ConfigError(
-            f"{path}: architecture {named[0]} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
-        )
+    if named[0] not in known:
+        raise ConfigError(f"{path}: architecture {named[0]} is not supported; supported: {', '.join(sorted(known))}")
     return named[0]
 
 
 def _model(cfg: dict, path: str) -> ModelConfig:
-    family = ARCHITECTURES[_architecture(cfg, path)]
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{path}: hidden_act={cfg['hidden_act']} is not supported (the Llama family's is silu)")
-    positions = cfg["max_position_embeddings"]
-    window = cfg.get("sliding_window") if family == "mistral" or cfg.get("use_sliding_window") else None
-    rope = cfg.get("rope_parameters") or {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta")}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "llama3"):
-        raise ConfigError(f"{path}: rope type {kind} is not supported (default and llama3 are)")
-    bias = bool(cfg.get("attention_bias", False))
-    scaling = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return ModelConfig(
-        family="llama",
-        vocab_size=cfg["vocab_size"],
-        d_model=cfg["hidden_size"],
-        n_layer=cfg["num_hidden_layers"],
-        n_head=cfg["num_attention_heads"],
-        n_kv_head=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        ffn_dim=cfg["intermediate_size"],
-        seq_len=min(positions, window) if window else positions,
-        head_dim=cfg.get("head_dim"),
-        rope_theta=float(rope.get("rope_theta") or 10_000.0),
-        rope_scaling={k: rope[k] for k in scaling} if kind == "llama3" else None,
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        qkv_bias=bias or family == "qwen2",
-        o_bias=bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        tie_weights=bool(cfg.get("tie_word_embeddings", False)),
-    )
+    arch = architecture(cfg, path)
+    return by_architecture(arch).hf.read_config(cfg, path, arch)
 
 
-def our_name(name: str) -> str | None:
-    """A Hugging Face tensor's name in our model; None for what it does not hold (rotary tables some files keep)."""
-    if m := re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name):
-        part = BLOCK.get(m[2])
-        return f"blocks.{m[1]}.{part}.{m[3]}" if part else None
-    module, _, kind = name.rpartition(".")
-    return f"{OUTSIDE[module]}.{kind}" if module in OUTSIDE else None
-
-
-def their_name(name: str) -> str:
-    if m := re.fullmatch(r"blocks\.(\d+)\.(.+)\.(weight|bias)", name):
-        return f"model.layers.{m[1]}.{_inverse(BLOCK)[m[2]]}.{m[3]}"
-    module, _, kind = name.rpartition(".")
-    return f"{_inverse(OUTSIDE)[module]}.{kind}"
-
-
-def _inverse(names: dict[str, str]) -> dict[str, str]:
-    return {ours: theirs for theirs, ours in names.items()}
+def format_of(directory: str | Path) -> HFFormat:
+    """The Hugging Face format of a model directory: its family's, by its config.json."""
+    return read_config(directory).spec.hf
 
 
 DTYPES = {
@@ -235,7 +181,8 @@ def check_against(weights: Weights, shapes: dict[str, torch.Size], directory: st
     held = weights.shapes()
     for name, shape in shapes.items():
         if name not in held:
-            raise ConfigError(f"{directory} holds no tensor {their_name(name)}, which its config.json's model needs")
+            theirs = weights.format.their_name(name)
+            raise ConfigError(f"{directory} holds no tensor {theirs}, which its config.json's model needs")
         if held[name] != shape:
             file, theirs = weights.where(name)
             raise ConfigError(
@@ -260,7 +207,9 @@ class Weights(Mapping):
     file): a base's shapes and digest without the whole model in memory."""
 
     def __init__(self, directory: str | Path):
-        self._files = {ours: (f, theirs) for theirs, f in files(directory).items() if (ours := our_name(theirs))}
+        self.format = format_of(directory)
+        named = ((self.format.our_name(theirs), theirs, f) for theirs, f in files(directory).items())
+        self._files = {ours: (f, theirs) for ours, theirs, f in named if ours}
         self.tied = "head.weight" not in self._files and "embed.weight" in self._files
         if self.tied:  # the head is the embedding
             self._files["head.weight"] = self._files["embed.weight"]
@@ -306,7 +255,9 @@ def write(model_state: dict[str, torch.Tensor], args: ModelConfig, out: str | Pa
     shards of at most `shard_bytes` (a tensor larger than that alone in its own), and their index."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {their_name(n): t.detach().contiguous() for n, t in model_state.items()}
+    if args.spec.hf is None:
+        raise ConfigError(f"model.family={args.family} has no Hugging Face format (etrain/core/models/{args.family}/)")
+    tensors = {args.spec.hf.their_name(n): t.detach().contiguous() for n, t in model_state.items()}
     if args.tie_weights:
         tensors.pop("lm_head.weight", None)  # transformers ties it back from the embedding
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -326,7 +277,8 @@ def write(model_state: dict[str, torch.Tensor], args: ModelConfig, out: str | Pa
         weight_map |= {name: file for name in shard}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (out / "config.json").write_text(json.dumps(hf_config(args, next(iter(tensors.values())).dtype), indent=2))
+    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(args.spec.hf.write_config(args) | {"dtype": dtype}, indent=2))
 
 
 def _umask() -> int:
@@ -334,34 +286,3 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def hf_config(args: ModelConfig, dtype: torch.dtype) -> dict:
-    """LlamaForCausalLM's config.json for `args` (Qwen2's biases on q, k and v alone are Llama's attention_bias
-    only with o's too: such a model is written as Qwen2)."""
-    qwen2 = args.qkv_bias and not args.o_bias
-    theta = args.rope_theta or 10_000.0
-    rope = {"rope_theta": theta, "rope_type": "default"}
-    if args.rope_scaling is not None:
-        rope |= {"rope_type": "llama3", **args.rope_scaling.model_dump()}
-    return {
-        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen2 else "llama",
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.d_model,
-        "intermediate_size": args.ffn_width,
-        "num_hidden_layers": args.n_layer,
-        "num_attention_heads": args.n_head,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_width,
-        "max_position_embeddings": args.seq_len,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps or 1e-5,
-        "rope_theta": theta,
-        "rope_scaling": None if args.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"},
-        "rope_parameters": rope,
-        "attention_bias": args.o_bias,
-        "mlp_bias": args.mlp_bias,
-        "tie_word_embeddings": args.tie_weights,
-        "dtype": str(dtype).removeprefix("torch."),
-    }

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from etrain.core.config import OptimConfig
-from etrain.core.model import make_model
+from etrain.core.models import make_model
 
 
 def make_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

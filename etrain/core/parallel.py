@@ -1,7 +1,7 @@
 """How one model replica is laid out over tp × pp × shard ranks: the mesh, the tensor-parallel plan, the pipeline
 stages, the parameter sharding (FSDP2), and the gradient sync and clipping that the layout needs.
 
-torchtitan's split: the model (etrain/core/model.py) knows nothing of ranks; this module cuts it up (TP, then FSDP
+torchtitan's split: the model (etrain/core/models/) knows nothing of ranks; this module cuts it up (TP, then FSDP
 over the shard dimension, per block and at the root); the step drives the schedule. A rank cuts the model's
 structure (built on the meta device) and then gives its part values (model.InitialWeights, tensor by tensor), so
 no rank holds the whole model and the initial weights of any layout are those of the unsplit model. Rank order:
@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from etrain.core.config import ParallelConfig
-from etrain.core.model import LanguageModel, next_token_loss
+from etrain.core.models.shared import LanguageModel, next_token_loss
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
@@ -73,25 +73,15 @@ def keep_stage(model: LanguageModel, stage: int, pp: int) -> LanguageModel:
 
 
 def shard_tensors(model: LanguageModel, tp_mesh: DeviceMesh) -> LanguageModel:
-    """Megatron's plan on each block: q, k, v and the MLP's first layer (Llama's gate and up) split by output column
-    (each rank computes whole heads: n_head / tp of them, and n_kv_head / tp key/value heads), the attention's output
-    projection and the MLP's last layer split by input row, their partial sums all-reduced. Embedding, norms and
-    head stay whole on every rank of the TP group."""
+    """Megatron's plan on each block, as the family's spec names its layers (tp_plan): q, k, v and the MLP's first
+    layer (Llama's gate and up) split by output column (each rank computes whole heads: n_head / tp of them, and
+    n_kv_head / tp key/value heads), the attention's output projection and the MLP's last layer split by input row,
+    their partial sums all-reduced. Embedding, norms and head stay whole on every rank of the TP group."""
     plan = {}
     for name in model.blocks:
-        for part, style in TP_PLAN[model.cfg.family].items():
+        for part, style in model.cfg.spec.tp_plan.items():
             plan[f"blocks.{name}.{part}"] = ColwiseParallel() if style == "col" else RowwiseParallel()
     return parallelize_module(model, tp_mesh, plan)
-
-
-# Each block's linear layers by family: split by output column (col) or by input row (row)
-TP_PLAN = {
-    "gpt": {"attn.q": "col", "attn.k": "col", "attn.v": "col", "attn.proj": "row", "mlp.0": "col", "mlp.2": "row"},
-    "llama": {
-        **{"attn.q": "col", "attn.k": "col", "attn.v": "col", "attn.o": "row"},
-        **{"mlp.gate": "col", "mlp.up": "col", "mlp.down": "row"},
-    },
-}
 
 
 def shard_parameters(model: LanguageModel, shard_mesh: DeviceMesh, param_dtype: torch.dtype | None) -> LanguageModel:

@@ -13,6 +13,7 @@ from etrain.core.config import ConfigError, override, validate
 from etrain.core.errors import UsageError
 from etrain.core.finetune import build_model, load_trained_state
 from etrain.core.lora import merged_state
+from etrain.core.models import FAMILIES
 
 
 def export(run_dir: Path, out: Path, merge: bool, format: str = "run") -> dict:
@@ -29,10 +30,11 @@ def export(run_dir: Path, out: Path, merge: bool, format: str = "run") -> dict:
             f"{run_dir} is a LoRA run: its checkpoints hold only adapters; add --merge to write them merged into "
             "its base as plain weights"
         )
-    if format == "hf" and cfg.model.family != "llama":
+    if format == "hf" and cfg.model.spec.hf is None:
+        with_format = ", ".join(name for name, spec in FAMILIES.items() if spec.hf)
         raise UsageError(
             f"{run_dir} trains model.family={cfg.model.family}, which has no Hugging Face architecture; "
-            "--format hf writes model.family=llama runs (export it with --format run)"
+            f"--format hf writes model.family={with_format} runs (export it with --format run)"
         )
     if out.is_symlink() and not out.exists():
         raise UsageError(

@@ -13,7 +13,8 @@ import yaml
 from etrain.core import checkpoint, hf
 from etrain.core.config import Config, ConfigError, validate
 from etrain.core.finetune import build_model, load_trained_state
-from etrain.core.model import KVCache, LanguageModel, make_model
+from etrain.core.models import make_model
+from etrain.core.models.shared import KVCache, LanguageModel
 from etrain.data import tokenizer
 
 

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from etrain.core.model import LanguageModel
+from etrain.core.models.shared import LanguageModel
 from etrain.core.optim import (
     make_optimizer,
     make_param_groups,

@@ -21,7 +21,7 @@ import torch
 
 from etrain.core.config import Config
 from etrain.core.finetune import build_model, load_trained_state, trained_state
-from etrain.core.model import LanguageModel
+from etrain.core.models.shared import LanguageModel
 from etrain.core.optim import as_optimizer_state, make_optimizer, make_scheduler, whole_groups
 from etrain.worker.compress import GradSync
 from etrain.worker.compute import train_on

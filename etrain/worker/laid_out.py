@@ -20,7 +20,8 @@ from etrain.core import sharded_checkpoint as dcp
 from etrain.core.checkpoint import DCP
 from etrain.core.finetune import base_source
 from etrain.core.layout_state import load_full, load_local, local_state
-from etrain.core.model import InitialWeights, LanguageModel, make_model
+from etrain.core.models import make_model
+from etrain.core.models.shared import InitialWeights, LanguageModel
 from etrain.core.optim import by_name, make_optimizer, make_scheduler, whole_groups
 from etrain.core.parallel import Replica, ReplicaBroken, make_mesh
 from etrain.worker.engine import Engine, snapshot

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from etrain.core import rewards
 from etrain.core.config import Config
-from etrain.core.model import sample
+from etrain.core.models.shared import sample
 from etrain.core.ppo import (
     boosted,
     entropy,

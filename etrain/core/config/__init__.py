@@ -28,13 +28,12 @@ from etrain.core.config.data import DataConfig, PrepareConfig, TrainedTokenizer
 from etrain.core.config.faults import Fault, HealthConfig
 from etrain.core.config.finetune import FinetuneConfig, LoraConfig, PPOConfig, targeted
 from etrain.core.config.loading import PRESET_DIR, load_config, override, raw_config, resolve_preset, validate
-from etrain.core.config.model import LLAMA_ONLY, ModelConfig, RopeScaling
+from etrain.core.config.model import ModelConfig, RopeScaling
 from etrain.core.config.parallel import BalanceConfig, CommConfig, Coords, DilocoConfig, ParallelConfig
 from etrain.core.config.root import RESUMABLE, Config
 from etrain.core.config.training import OptimConfig, TrainConfig
 
 __all__ = [
-    "LLAMA_ONLY",
     "PRESET_DIR",
     "RESUMABLE",
     "BalanceConfig",

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from etrain.core.config.base import Section
+from etrain.core.models import FAMILIES, Family, family
 
 
 class RopeScaling(Section):
@@ -19,14 +20,14 @@ class RopeScaling(Section):
     original_max_position_embeddings: int = Field(8192, ge=1)
 
 
-LLAMA_ONLY = (
-    "n_kv_head", "ffn_dim", "head_dim", "rope_theta", "rope_scaling", "norm_eps", "qkv_bias", "o_bias", "mlp_bias"
-)  # fmt: skip
+def family_keys() -> set[str]:
+    """The keys some family reads beyond the shared shape (each family's spec names its own)."""
+    return {key for spec in FAMILIES.values() for key in spec.keys}
 
 
 class ModelConfig(Section):
-    family: Literal["gpt", "llama"] = Field(
-        "gpt", description="gpt: etrain/core/model.py; llama: the Llama family (etrain/core/models/llama.py)"
+    family: str = Field(
+        "gpt", description=f"one of {', '.join(FAMILIES)}: its folder in etrain/core/models/ (docs/models.md)"
     )
     n_layer: int = Field(2, ge=1, description="transformer blocks")
     n_head: int = Field(4, ge=1, description="attention heads per block")
@@ -55,64 +56,48 @@ class ModelConfig(Section):
         return self.head_dim or self.d_model // self.n_head
 
     @property
+    def spec(self) -> Family:
+        """The family's spec (etrain/core/models/family.py): what differs between families."""
+        return family(self.family)
+
+    @property
     def ffn_width(self) -> int:
-        """GPT's 4·d_model; Llama's given width, or 8/3·d_model rounded up to a multiple of 64."""
-        if self.family == "gpt":
-            return 4 * self.d_model
-        return self.ffn_dim or -(-8 * self.d_model // 3 // 64) * 64
+        return self.spec.ffn_width(self)
 
     def param_count(self) -> int:
-        """Parameters of this config's model, by arithmetic (no torch): embeddings, the blocks (attention, MLP,
-        norms), the final norm, the head unless tied."""
+        """Parameters of this config's model, by arithmetic (no torch): embeddings, the blocks, the final norm, the
+        head unless tied."""
         d = self.d_model
         ends = self.vocab_size * d * (1 if self.tie_weights else 2) + (
             self.seq_len * d if self.positions == "learned" else 0
         )
-        return ends + self.n_layer * self.block_params() + (2 * d if self.family == "gpt" else d)
+        return ends + self.n_layer * self.block_params() + self.spec.norm_params(self)
 
     def block_params(self, tp: int = 1) -> int:
         """One block's parameters, of one of `tp` tensor-parallel ranks: its linear layers split, its norms whole."""
-        d = self.d_model
-        if self.family == "gpt":  # attention 4·d², MLP 8·d², two LayerNorms
-            return 12 * d * d // tp + 4 * d
-        q, kv, f = self.n_head * self.head_width, self.kv_heads * self.head_width, self.ffn_width
-        attention = d * (q + 2 * kv) + q * d + (q + 2 * kv) * self.qkv_bias
-        mlp = 3 * d * f + 2 * f * self.mlp_bias
-        return (attention + mlp) // tp + d * (self.o_bias + self.mlp_bias) + 2 * d
+        return self.spec.block_params(self, tp)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """The model's linear layers by name, each (in, out) features: what LoRA's targets name."""
-        d, f = self.d_model, self.ffn_width
-        if self.family == "gpt":
-            block = {"attn.q": (d, d), "attn.k": (d, d), "attn.v": (d, d), "attn.proj": (d, d)}
-            block |= {"mlp.0": (d, f), "mlp.2": (f, d)}
-        else:
-            q, kv = self.n_head * self.head_width, self.kv_heads * self.head_width
-            block = {"attn.q": (d, q), "attn.k": (d, kv), "attn.v": (d, kv), "attn.o": (q, d)}
-            block |= {"mlp.gate": (d, f), "mlp.up": (d, f), "mlp.down": (f, d)}
+        block = self.spec.block_linears(self)
         shapes = {f"blocks.{i}.{name}": shape for i in range(self.n_layer) for name, shape in block.items()}
-        return shapes | {"head": (d, self.vocab_size)}
+        return shapes | {"head": (self.d_model, self.vocab_size)}
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, name: str) -> str:
+        family(name)  # ValueError naming the families
+        return name
 
     @model_validator(mode="after")
-    def _heads_divide_width(self) -> ModelConfig:
-        if self.family == "gpt":
-            if used := [k for k in LLAMA_ONLY if getattr(self, k) not in (None, False)]:
-                raise ValueError(f"{', '.join('model.' + k for k in used)} apply to model.family=llama only")
-            if self.d_model % self.n_head:
-                raise ValueError(f"model.d_model={self.d_model} must be a multiple of model.n_head={self.n_head}")
-        else:
-            if self.positions != "rotary" or self.dropout:
-                raise ValueError(
-                    "model.family=llama has rotary positions and no dropout: leave out model.positions and "
-                    "model.dropout"
-                )
-            if self.n_head % self.kv_heads:
-                raise ValueError(f"model.n_kv_head={self.kv_heads} must divide model.n_head={self.n_head}")
-            if self.head_dim is None and self.d_model % self.n_head:
-                raise ValueError(
-                    f"model.d_model={self.d_model} must be a multiple of model.n_head={self.n_head}, or set "
-                    "model.head_dim"
-                )
+    def _family_builds_it(self) -> ModelConfig:
+        spec = family(self.family)
+        if used := [k for k in sorted(family_keys() - set(spec.keys)) if getattr(self, k) not in (None, False)]:
+            readers = sorted({f.name for f in FAMILIES.values() if set(used) & set(f.keys)})
+            raise ValueError(
+                f"{', '.join('model.' + k for k in used)} apply to model.family={' or '.join(readers)} only"
+            )
+        spec.check(self)
         if self.positions == "rotary" and self.head_width % 2:
             raise ValueError("rotary positions need an even head width (d_model / n_head, or model.head_dim)")
         return self

@@ -17,7 +17,7 @@ from etrain.core.config.cluster import ClusterConfig, TimeoutConfig
 from etrain.core.config.data import DataConfig, PrepareConfig
 from etrain.core.config.faults import Fault, HealthConfig
 from etrain.core.config.finetune import FinetuneConfig, PPOConfig
-from etrain.core.config.model import LLAMA_ONLY, ModelConfig
+from etrain.core.config.model import ModelConfig, family_keys
 from etrain.core.config.parallel import BalanceConfig, CommConfig, ParallelConfig
 from etrain.core.config.training import OptimConfig, TrainConfig
 
@@ -76,9 +76,12 @@ class Config(Section):
     def hash(self) -> str:
         """Identity of what is trained: everything but the RESUMABLE keys."""
         body = self.model_dump()
-        if self.model.family == "gpt":  # a GPT run's identity is what it was before the Llama family's keys came
-            for key in ("family", *LLAMA_ONLY):
-                body["model"].pop(key)
+        # the keys of other families (unset) are not this run's: a run's identity stays what it was before they
+        # came, and the default family's (gpt) what it was before there were families
+        for key in family_keys() - set(self.model.spec.keys):
+            body["model"].pop(key)
+        if self.model.family == ModelConfig.model_fields["family"].default:
+            body["model"].pop("family")
         for key in RESUMABLE:
             section, _, leaf = key.partition(".")
             body[section].pop(leaf) if leaf else body.pop(section)

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from etrain.core.comm_model import gradient_sync_s
 from etrain.core.config.finetune import targeted
+from etrain.core.config.model import ModelConfig
+from etrain.core.models import family
 
 if TYPE_CHECKING:
     from etrain.core.config.faults import Fault
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
 
 def implied(raw: Any) -> Any:
     """`raw` with the keys other sections imply filled in."""
-    return llama_lora_targets(deterministic_split(raw))
+    return family_lora_targets(deterministic_split(raw))
 
 
 def deterministic_split(raw: Any) -> Any:
@@ -37,15 +39,19 @@ def deterministic_split(raw: Any) -> Any:
     return {**raw, "balance": {**balance, "enabled": False}}
 
 
-def llama_lora_targets(raw: Any) -> Any:
-    """LoRA's default targets are the attention's projections of the model's family: Llama's output projection
-    is attn.o, GPT's attn.proj."""
-    if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict) or raw["model"].get("family") != "llama":
+def family_lora_targets(raw: Any) -> Any:
+    """LoRA's default targets are the attention's projections of the model's family (its spec's lora_targets: GPT's
+    output projection is attn.proj, Llama's attn.o)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
         return raw
+    try:
+        spec = family(raw["model"].get("family", ModelConfig.model_fields["family"].default))
+    except ValueError:
+        return raw  # the model section's own validation names it
     finetune = dict(raw.get("finetune") or {})
     lora = dict(finetune.get("lora") or {})
     if "targets" not in lora:
-        lora["targets"] = ["attn.q", "attn.k", "attn.v", "attn.o"]
+        lora["targets"] = list(spec.lora_targets)
     return raw | {"finetune": finetune | {"lora": lora}}
 
 

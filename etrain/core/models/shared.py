@@ -1,65 +1,67 @@
-"""GPT-style decoder-only transformer (pre-norm, rotary or learned positions, tied head)."""
+"""What every model family shares: the LanguageModel every engine drives (its parts by name, the forward, PPO's
+value head, a model built on the meta device), rotary positions, the KV cache of sampling, the initial weights (a
+function of the seed and the name alone) and the loss."""
 
 from __future__ import annotations
 
 import math
 import zlib
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from etrain.core.config import ModelConfig
+from etrain.core.models import family, make_model
+
+
+def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Each rotary pair's frequency; with `rope_scaling`, Llama 3.1's: low frequencies (wavelengths beyond the
+    original context) divided by `factor`, high ones kept, the band between blended smoothly."""
+    d = cfg.head_width
+    inv = 1.0 / (cfg.rope_theta or 10_000.0) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    if cfg.rope_scaling is None:
+        return inv
+    r = cfg.rope_scaling
+    factor, low, high, context = r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv
+    scaled = torch.where(wavelength > context / low, inv / factor, inv)
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(medium, blended, scaled)
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding; tables are buffers, rebuilt rather than checkpointed."""
+    """Rotary position embedding; its tables are buffers, rebuilt rather than checkpointed. A head's dimensions
+    rotate in pairs: GPT's are neighbours (0 with 1, 2 with 3: Meta's original layout), Llama's the two halves (0
+    with D/2: Hugging Face's, so that its checkpoints load with no permutation of q and k)."""
 
-    def __init__(self, head_dim: int, seq_len: int, base: float = 10_000.0):
+    def __init__(self, cfg: ModelConfig, pairs: Literal["neighbours", "halves"]):
         super().__init__()
-        self.head_dim, self.seq_len, self.base = head_dim, seq_len, base
-        self.register_buffer("cos", torch.empty(seq_len, head_dim // 2), persistent=False)
-        self.register_buffer("sin", torch.empty(seq_len, head_dim // 2), persistent=False)
+        self.cfg, self.pairs = cfg, pairs
+        self.register_buffer("cos", torch.empty(cfg.seq_len, cfg.head_width // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(cfg.seq_len, cfg.head_width // 2), persistent=False)
         self.reset()
 
     def reset(self) -> None:
         """The tables, on the device the buffers are on (a model built on the meta device fills them here)."""
         if self.cos.is_meta:
             return
-        device = self.cos.device
-        inv_freq = 1.0 / self.base ** (torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim)
-        angles = torch.outer(torch.arange(self.seq_len, device=device).float(), inv_freq)
+        inv = inverse_frequencies(self.cfg).to(self.cos.device)
+        angles = torch.outer(torch.arange(self.cfg.seq_len, device=inv.device).float(), inv)
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
     def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:  # x: (B, H, T, D) at positions start...
         t = x.shape[-2]
         cos, sin = self.cos[start : start + t].to(x.dtype), self.sin[start : start + t].to(x.dtype)
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.head_dim, self.dropout = cfg.d_model // cfg.n_head, cfg.dropout
-        # q, k and v apart: split by output column (tensor parallelism), each rank keeps whole heads of all three
-        self.q, self.k, self.v = (nn.Linear(cfg.d_model, cfg.d_model, bias=False) for _ in range(3))
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.rotary = Rotary(self.head_dim, cfg.seq_len) if cfg.positions == "rotary" else None
-        self._register_load_state_dict_pre_hook(_split_fused_qkv)
-
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        b, t, _ = x.shape  # the heads a rank holds follow from the width it is given: n_head / tp under TP
-        q, k, v = (z(x).view(b, t, -1, self.head_dim).transpose(1, 2) for z in (self.q, self.k, self.v))
-        start = cache.length if cache is not None else 0
-        if self.rotary is not None:
-            q, k = self.rotary(q, start), self.rotary(k, start)
-        if cache is not None:
-            k, v = cache.extend(k, v)
-        drop = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, dropout_p=drop)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        if self.pairs == "neighbours":
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class KVCache:
@@ -80,36 +82,10 @@ class KVCache:
         return self.k, self.v
 
 
-def _split_fused_qkv(state_dict: dict, prefix: str, *args) -> None:
-    """Checkpoints written before q, k and v were apart hold one fused `qkv` weight: its rows are q | k | v."""
-    fused = state_dict.pop(prefix + "qkv.weight", None)
-    if fused is not None:
-        for name, part in zip("qkv", fused.chunk(3)):
-            state_dict[prefix + name + ".weight"] = part
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
-        self.attn = Attention(cfg)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False),
-            nn.GELU(),
-            nn.Linear(4 * cfg.d_model, cfg.d_model, bias=False),
-            nn.Dropout(cfg.dropout),
-        )
-
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cache)
-        return x + self.mlp(self.norm2(x))
-
-
 class LanguageModel(nn.Module):
-    """What every family shares (etrain/core/models/ holds the others): the modules embed, blocks by index, norm and
-    head, which a pipeline stage drops where it does not compute them (etrain/core/parallel.py); the forward every
-    engine calls; PPO's value head; a model built on the meta device given storage. A family defines its modules
-    and `trunk`."""
+    """What every family's model is: the modules embed, blocks by index, norm and head, which a pipeline stage drops
+    where it does not compute them (etrain/core/parallel.py); the forward every engine calls; PPO's value head; a
+    model built on the meta device given storage. A family defines its modules and `trunk`."""
 
     cfg: ModelConfig
     value_head: nn.Linear | None
@@ -164,52 +140,17 @@ class LanguageModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-class GPT(LanguageModel):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.positions == "learned" else None
-        self.drop = nn.Dropout(cfg.dropout)
-        # by index, so that a pipeline stage keeping some blocks (etrain/core/parallel.py) keeps their names
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
-        self.norm = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self._initialise()
-
-    def trunk(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
-        if self.embed is not None:
-            idx, x = x, self.embed(x)
-            if self.pos is not None:
-                start = caches[0].length if caches else 0
-                x = x + self.pos(torch.arange(start, start + idx.shape[1], device=idx.device))
-            x = self.drop(x)
-        for i, block in enumerate(self.blocks.values()):
-            x = block(x, caches[i] if caches else None)
-        return x
-
-
-def make_model(cfg: ModelConfig) -> LanguageModel:
-    """The model of `cfg`'s family, its weights initial_weight's (none on the meta device)."""
-    if cfg.family == "llama":
-        from etrain.core.models.llama import Llama  # it builds on this module
-
-        return Llama(cfg)
-    return GPT(cfg)
-
-
 def initial_weight(cfg: ModelConfig, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     """The initial value of the weight `name`, a function of the seed and the name alone: a rank that holds a part of
     the model makes any tensor's value without the others' (one tensor at a time, on CPU). Linear and embedding
     weights N(0, 0.02), with GPT-2's scaled init of residual projections, which keeps the residual stream's variance
     flat in depth; norms 1 and 0."""
     module = name.rpartition(".")[0]
-    if module.endswith("norm") or module.endswith(("norm1", "norm2")):
+    if "norm" in module.rpartition(".")[2]:
         return torch.ones(shape) if name.endswith(".weight") else torch.zeros(shape)
     if name.endswith(".bias"):
         return torch.zeros(shape)
-    residual = ("attn.proj.weight", "mlp.2.weight", "attn.o.weight", "mlp.down.weight")  # GPT's, Llama's
-    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(residual) else 0.02
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(family(cfg.family).residual) else 0.02
     generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     return torch.normal(0.0, std, tuple(shape), generator=generator)
 
@@ -231,7 +172,7 @@ class InitialWeights(dict):
 
 @torch.no_grad()
 def sample(
-    model: GPT, prompts: torch.Tensor, steps: int, temperature: float, generator: torch.Generator
+    model: LanguageModel, prompts: torch.Tensor, steps: int, temperature: float, generator: torch.Generator
 ) -> torch.Tensor:
     """`prompts` (B, P) each continued by `steps` tokens drawn from the model at `temperature`. No cache: the
     sequence goes through the model whole at each step, which the short responses PPO samples can afford."""

@@ -1,65 +1,15 @@
-"""The Llama family (Llama 2 and 3, Mistral, Qwen2): RMSNorm, rotary positions (with Llama 3.1's frequency
-scaling), a SwiGLU MLP, grouped-query attention, optional q/k/v biases, a tied or untied head.
-
-Rotary positions rotate the two halves of each head (Hugging Face's layout), not interleaved pairs (Meta's original
-checkpoints, torchtitan's): the weights of a Hugging Face directory load as they are, with no q/k permutation, and
-tests/test_llama.py holds the logits to `transformers`' own.
-"""
+"""The Llama family's decoder (its spec: __init__.py): RMSNorm, rotary positions over each head's two halves
+(Hugging Face's layout: a Hugging Face directory's weights load as they are, with no q/k permutation, and
+tests/test_llama.py holds the logits to `transformers`' own), a SwiGLU MLP, grouped-query attention."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from etrain.core.config import ModelConfig
-from etrain.core.model import KVCache, LanguageModel
-
-
-def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """Each rotary pair's frequency; with `rope_scaling`, Llama 3.1's: low frequencies (wavelengths beyond the
-    original context) divided by `factor`, high ones kept, the band between blended smoothly."""
-    d = cfg.head_width
-    inv = 1.0 / (cfg.rope_theta or 10_000.0) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
-    if cfg.rope_scaling is None:
-        return inv
-    r = cfg.rope_scaling
-    factor, low, high, context = r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings
-    wavelength = 2 * math.pi / inv
-    scaled = torch.where(wavelength > context / low, inv / factor, inv)
-    smooth = (context / wavelength - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelength >= context / high) & (wavelength <= context / low)
-    return torch.where(medium, blended, scaled)
-
-
-class Rotary(nn.Module):
-    """cos and sin tables over the head's two halves; buffers, rebuilt rather than checkpointed."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.register_buffer("cos", torch.empty(cfg.seq_len, cfg.head_width), persistent=False)
-        self.register_buffer("sin", torch.empty(cfg.seq_len, cfg.head_width), persistent=False)
-        self.reset()
-
-    def reset(self) -> None:
-        """The tables, on the device the buffers are on (a model built on the meta device fills them here)."""
-        if self.cos.is_meta:
-            return
-        inv = inverse_frequencies(self.cfg).to(self.cos.device)
-        angles = torch.outer(torch.arange(self.cfg.seq_len, device=inv.device).float(), inv)
-        angles = torch.cat((angles, angles), dim=-1)
-        self.cos.copy_(angles.cos())
-        self.sin.copy_(angles.sin())
-
-    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:  # x: (B, H, T, D)
-        t, half = x.shape[-2], x.shape[-1] // 2
-        cos, sin = self.cos[start : start + t].to(x.dtype), self.sin[start : start + t].to(x.dtype)
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+from etrain.core.models.shared import KVCache, LanguageModel, Rotary
 
 
 class RMSNorm(nn.Module):
@@ -85,7 +35,7 @@ class Attention(nn.Module):
         self.k = nn.Linear(d, cfg.kv_heads * hd, bias=cfg.qkv_bias)
         self.v = nn.Linear(d, cfg.kv_heads * hd, bias=cfg.qkv_bias)
         self.o = nn.Linear(cfg.n_head * hd, d, bias=cfg.o_bias)
-        self.rotary = Rotary(cfg)
+        self.rotary = Rotary(cfg, "halves")
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = x.shape  # the heads come from the widths held: n_head / tp and n_kv_head / tp under TP
