@@ -446,10 +446,10 @@ def when(kind: str, cls: type) -> str:
 
 
 def metric_source():
-    """tests/metric_source.py: the metrics the code declares, read from its source (the tests use it too)."""
+    """tests/helpers/metric_source.py: the metrics the code declares, read from its source (the tests use it too)."""
     sys.path.insert(0, str(ROOT / "tests"))
     try:
-        return importlib.import_module("metric_source")
+        return importlib.import_module("helpers.metric_source")
     finally:
         sys.path.remove(str(ROOT / "tests"))
 

@@ -1,8 +1,8 @@
 """One local Ray instance per test session, a local S3 server, a shared small corpus; the tiers.
 
-Every test is in one tier, by what it needs: `e2e` starts processes of its own beside the session
-(a Ray head, a notebook kernel), `ray` uses the session's Ray instance, `unit` neither (no Ray at
-all: `make test-unit` runs these in seconds)."""
+Every test is in one tier, by what it starts: `e2e` processes of its own beside the session (a Ray head, a
+notebook kernel, a wheel's build), `ray` the session's Ray instance, `groups` torch process groups in local
+processes, `unit` none of these (`make test-unit`: the loop while editing, in about two minutes)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import ray
 from etrain.core.config import Config, load_config
 from etrain.core.ports import free_port
 
-from faults import S3Faults
-from runs import FAMILIES, SESSION_SEED
+from helpers.faults import S3Faults
+from helpers.runs import FAMILIES, SESSION_SEED
 
 
 @pytest.fixture(scope="session")
 def s3_proxy() -> S3Faults:
-    """moto's S3 on 127.0.0.1 behind a fault-injecting proxy (tests/faults.py), which the environment
+    """moto's S3 on 127.0.0.1 behind a fault-injecting proxy (tests/helpers/faults.py), which the environment
     names as the endpoint before Ray starts, so every actor reaches S3 through it."""
     from moto.server import ThreadedMotoServer
 
@@ -89,10 +89,24 @@ def pytest_addoption(parser):
     )
 
 
+def tier(item) -> str:
+    """What the test starts: its own processes beside the session (e2e), the session's Ray (ray), torch process
+    groups in local processes (groups: its module spawns with torch.multiprocessing or etrain.core.local_ranks), or
+    nothing (unit)."""
+    if item.path.name in E2E:
+        return "e2e"
+    if "ray_session" in item.fixturenames:
+        return "ray"
+    spawners = {"torch.multiprocessing", "etrain.core.local_ranks"}
+    names = {getattr(v, "__module__", None) or getattr(v, "__name__", None) for v in vars(item.module).values()}
+    if names & spawners:
+        return "groups"
+    return "unit"
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        tier = "e2e" if item.path.name in E2E else "ray" if "ray_session" in item.fixturenames else "unit"
-        item.add_marker(tier)
+        item.add_marker(tier(item))
     if not config.getoption("--campaign"):  # deselected, not skipped: the summary counts them apart
         left = [item for item in items if item.get_closest_marker("campaign")]
         config.hook.pytest_deselected(items=left)

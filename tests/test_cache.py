@@ -18,7 +18,7 @@ from etrain.data.embedded import ensure_corpus
 from etrain.data.shards import ShardError, ShardReader, read_manifest
 from etrain.data.stream import StreamingReader
 
-from runs import wait_until
+from helpers.runs import wait_until
 
 ray_test = pytest.mark.usefixtures("ray_session")
 

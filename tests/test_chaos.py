@@ -1,13 +1,13 @@
-"""The fault campaign's fixed-seed slice (tests/chaos.py), on the test session's Ray: scenarios drawn from fixed seeds
-(a rank lost inside a save while storage refuses a later commit; a sharded run's DCP metadata replaced by a crafted
-pickle), each run as a user runs it and held to every invariant. `python tests/chaos.py --seed N --runs M` runs
-the long campaign."""
+"""The fault campaign's fixed-seed slice (tests/helpers/chaos.py), on the test session's Ray: scenarios drawn from
+fixed seeds (a rank lost inside a save while storage refuses a later commit; a sharded run's DCP metadata replaced by
+a crafted pickle), each run as a user runs it and held to every invariant. `python tests/helpers/chaos.py --seed N
+--runs M` runs the long campaign."""
 
 from __future__ import annotations
 
 import pytest
 
-from chaos import Campaign, draw
+from helpers.chaos import Campaign, draw
 
 # Two scenarios (a minute and half a minute), each its seed's first draw. Seed 87: two tp=2 replicas, a rank killed
 # in the all-reduce of step 5 while the save of step 4 is in flight, storage refusing the commit of step 8 (it found

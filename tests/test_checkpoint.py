@@ -3,12 +3,13 @@
 import json
 
 import fsspec
-import hostile
 import pytest
 import torch
 
 from etrain.core import checkpoint
 from etrain.core.errors import UsageError
+
+from helpers import hostile
 
 
 def parts(value: float) -> dict:

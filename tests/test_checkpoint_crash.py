@@ -1,6 +1,6 @@
 """A process killed at random points while saving never leaves a checkpoint that is taken as valid.
 
-The victim (tests/save_forever.py) writes checkpoints whose every tensor holds its step, back
+The victim (tests/helpers/save_forever.py) writes checkpoints whose every tensor holds its step, back
 to back, until SIGKILL lands at a random moment: inside a part, between parts, in the commit
 marker, in retention. After each kill the reader must return the newest whole checkpoint (or
 none), never a mix; the next victim carries on over the debris.
@@ -31,7 +31,7 @@ def kill_while_saving(uri: str, kills: int, seed: int) -> tuple[int, int]:
         latest = checkpoint.load_latest(uri)
         start = latest.meta["step"] + 1 if latest else 1
         victim = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "save_forever.py"), uri, str(start)],
+            [sys.executable, str(ROOT / "tests" / "helpers" / "save_forever.py"), uri, str(start)],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             text=True,

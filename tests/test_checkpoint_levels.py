@@ -13,8 +13,8 @@ from etrain.core import checkpoint
 from etrain.core.storage import StorageError
 from etrain.driver.job import new_run_dir, train
 
-from faults import immutable
-from runs import FAST, records
+from helpers.faults import immutable
+from helpers.runs import FAST, records
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

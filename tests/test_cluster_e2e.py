@@ -21,7 +21,7 @@ import pytest
 from etrain.core.records import read_jsonl
 from etrain.driver.local_cluster import LocalCluster
 
-from runs import wait_until
+from helpers.runs import wait_until
 
 STATUS = "import json, sys; from etrain.driver import api; print(json.dumps(api.status(sys.argv[1])))"
 

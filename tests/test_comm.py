@@ -19,7 +19,7 @@ from etrain.data.embedded import ensure_corpus
 from etrain.driver.job import train
 from etrain.worker import assemble, spawn
 
-from runs import drawn, records, run, run_scaled
+from helpers.runs import drawn, records, run, run_scaled
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

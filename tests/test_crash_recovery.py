@@ -19,7 +19,7 @@ from etrain.core.checkpoint import checkpoint_uri, load_latest
 from etrain.driver.api import NAMESPACE
 from etrain.driver.job import new_run_dir, train
 
-from runs import FAMILIES, FAST, records, start_driver, wait_for_step
+from helpers.runs import FAMILIES, FAST, records, start_driver, wait_for_step
 
 STEPS = ["train.steps=24", "checkpoint.every=6"]
 

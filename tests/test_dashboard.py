@@ -17,7 +17,7 @@ import urllib.request
 from etrain.cli import main
 from etrain.driver.job import new_run_dir, train
 
-from runs import FAST, records
+from helpers.runs import FAST, records
 
 SAMPLE = re.compile(r"^(ray_etrain_\w+)\{([^}]*)\} (\S+)$")
 

@@ -24,7 +24,7 @@ from etrain.worker.actor import step_seed
 from etrain.worker.diloco import Diloco
 from etrain.worker.injection import Injected
 
-from runs import FAST, records
+from helpers.runs import FAST, records
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from metric_source import declared_metrics
+
+from helpers.metric_source import declared_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -21,7 +21,7 @@ from etrain.driver import api
 from etrain.driver.job import new_run_dir, train
 from etrain.worker import spawn
 
-from runs import FAMILIES, FAST, drawn, records, run, run_scaled
+from helpers.runs import FAMILIES, FAST, drawn, records, run, run_scaled
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

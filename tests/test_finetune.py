@@ -21,7 +21,7 @@ from etrain.core.finetune import build_model, finetune_config, load_trained_stat
 from etrain.core.models.gpt.model import GPT
 from etrain.driver.job import new_run_dir, train
 
-from runs import records, run
+from helpers.runs import records, run
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

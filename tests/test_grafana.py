@@ -19,7 +19,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from metric_source import declared_metrics
+
+from helpers.metric_source import declared_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD_JSON = ROOT / "etrain" / "configs" / "grafana" / "etrain.json"

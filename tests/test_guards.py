@@ -15,7 +15,7 @@ from etrain.core.config import TrainConfig
 from etrain.core.optim import lr_factor
 from etrain.driver.job import train
 
-from runs import FAST, records, run
+from helpers.runs import FAST, records, run
 
 ray_test = pytest.mark.usefixtures("ray_session")
 

@@ -15,7 +15,7 @@ from etrain.core.finetune import finetune_config
 from etrain.driver.job import new_run_dir, train
 from etrain.driver.report import write_report
 
-from runs import etrain_lines, records, run
+from helpers.runs import etrain_lines, records, run
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -153,7 +153,7 @@ def test_ppo_from_a_hugging_face_directory_rolls_out_in_its_own_tokenizer(make_c
     import subprocess
     import sys
 
-    from runs import ROOT
+    from helpers.runs import ROOT
 
     base = tmp_path / "tiny-llama"
     subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_llama.py"), str(base)], check=True, cwd=ROOT)

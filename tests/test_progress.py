@@ -10,7 +10,7 @@ import pytest
 from etrain.driver.job import new_run_dir, train
 from etrain.driver.progress import Progress
 
-from runs import FAST, start_driver
+from helpers.runs import FAST, start_driver
 
 
 def record(step: int) -> dict:

@@ -26,7 +26,7 @@ from etrain.data.embedded import ensure_corpus
 from etrain.driver.job import new_run_dir, train
 from etrain.worker import spawn
 
-from runs import FAST, ROOT, etrain_lines, records, run, start_driver, wait_for_step, wait_until
+from helpers.runs import FAST, ROOT, etrain_lines, records, run, start_driver, wait_for_step, wait_until
 
 ray_test = pytest.mark.usefixtures("ray_session")
 

@@ -19,7 +19,7 @@ from etrain.core.sharded_checkpoint import SavedWeights, whole_state
 from etrain.driver.job import new_run_dir, train
 from etrain.driver.report import write_report
 
-from runs import FAST, drawn, records, run
+from helpers.runs import FAST, drawn, records, run
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -145,7 +145,7 @@ def test_etrain_ppo_refuses_a_base_whose_tokenizer_it_cannot_read_before_anythin
 
     from etrain.cli import main
 
-    from runs import ROOT
+    from helpers.runs import ROOT
 
     base = tmp_path / "tiny-llama"
     subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_llama.py"), str(base)], check=True, cwd=ROOT)

@@ -11,7 +11,6 @@ import pickle
 from pathlib import Path
 
 import fsspec
-import hostile
 import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
@@ -22,7 +21,8 @@ from etrain.core.finetune import check_base, model_only
 from etrain.core.models.gpt.model import GPT
 from etrain.core.sharded_checkpoint import SavedWeights, read_metadata, state_dict, whole_state, written
 
-from runs import records, run
+from helpers import hostile
+from helpers.runs import records, run
 
 
 @pytest.mark.usefixtures("ray_session")

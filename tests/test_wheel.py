@@ -12,7 +12,7 @@ import sysconfig
 import venv
 import zipfile
 
-from runs import ROOT
+from helpers.runs import ROOT
 
 
 def test_a_wheel_installed_in_a_fresh_venv_trains_with_no_checkout_on_its_path(tmp_path, data_dir):

@@ -2,7 +2,7 @@
 steps), each run as a user runs it (`etrain train` as its own driver process, resumed the way its last line says
 when it stops), then checked against the invariants every run must keep, whatever happened to it.
 
-    python tests/chaos.py --seed 7 --runs 30 --out bench/results/chaos_campaign.json
+    python tests/helpers/chaos.py --seed 7 --runs 30 --out bench/results/chaos_campaign.json
 
 The same seed draws the same scenarios. tests/test_chaos.py runs a short fixed-seed slice on the test session's Ray.
 
@@ -43,14 +43,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from etrain.core import checkpoint  # noqa: E402
 from etrain.core.config import Config, load_config, override  # noqa: E402
 from etrain.core.records import read_jsonl  # noqa: E402
 
-from runs import interruptible  # noqa: E402
+from helpers.runs import interruptible  # noqa: E402
 
 STEPS, EVERY = 12, 4  # steps of a run; its checkpoint and evaluation cadence
 FAST = [  # bounded waits, so a fault ends in seconds; an equal split, so runs compare bitwise
@@ -390,7 +390,8 @@ def damage(fault: dict, uri: str, marker: Path) -> str | None:
     import hashlib
 
     import fsspec
-    from hostile import crafted, in_torch_file
+
+    from helpers.hostile import crafted, in_torch_file
 
     fs, root = fsspec.core.url_to_fs(uri)
     meta = checkpoint.newest_meta(uri)
@@ -515,7 +516,7 @@ def main() -> None:
 
     from etrain.core.ports import free_port
 
-    from faults import S3Faults
+    from helpers.faults import S3Faults
 
     port = free_port()
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -529,7 +530,7 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="warning")
-    print(f"seed {args.seed}: python tests/chaos.py --seed {args.seed} --runs {args.runs} draws these again")
+    print(f"seed {args.seed}: python tests/helpers/chaos.py --seed {args.seed} --runs {args.runs} draws these again")
     campaign = Campaign(workdir, str(workdir / "data"), s3, "s3://chaos")
     outcomes = []
     try:

@@ -18,7 +18,7 @@ from etrain.core.records import read_jsonl
 from etrain.driver import api
 from etrain.driver.job import new_run_dir, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Short timeouts so a broken path fails fast; no evaluations or checkpoints unless a test asks. A fixed
 # (equal) split, so runs compare bitwise: speed-based splits depend on timing (tests/test_comm.py has them).

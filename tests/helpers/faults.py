@@ -130,7 +130,7 @@ def _read_body(request) -> bytes | None:
 
 def _error(request, status: int) -> None:
     code = {403: "AccessDenied", 500: "InternalError", 503: "SlowDown"}.get(status, "InternalError")
-    message = "<Message>injected by tests/faults.py</Message>"
+    message = "<Message>injected by tests/helpers/faults.py</Message>"
     body = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>{message}</Error>'.encode()
     request.send_response(status)
     request.send_header("Content-Type", "application/xml")
