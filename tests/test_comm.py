@@ -199,7 +199,8 @@ def test_parameter_server_mode_bounds_staleness_and_resumes(make_cfg):
 def test_the_report_says_a_slow_link_bounds_a_run_and_its_absence_does_not(make_cfg, rng, tmp_path):
     """Issue 31: the advice on real runs. Under a simulated link slow enough that a dense step's bytes take several
     times the tiny model's compute, communication bounds the run and DiLoCo is the fastest mode by the model; the
-    same run without a link is told nothing would pay."""
+    same run without a link spends a smaller share on communication, and its advice says what its share says
+    (whether loopback's all-reduce bounds a run depends on the machine's load: a loaded CI machine's once did)."""
     from etrain.driver.report import write_report
 
     gbps = float(rng.choice([0.02, 0.03, 0.05]))
@@ -210,6 +211,6 @@ def test_the_report_says_a_slow_link_bounds_a_run_and_its_absence_does_not(make_
     fast_says = write_report(fast, tmp_path / "fast")["summary"]["communication"]
     assert slow_says["bound"] and "it bounds this run" in slow_says["advice"]
     assert slow_says["best"].startswith("diloco") and slow_says["modes"][slow_says["best"]] < slow_says["step_s"]
-    assert not fast_says["bound"] and "does not bound" in fast_says["advice"]
+    assert ("does not bound" in fast_says["advice"]) == (not fast_says["bound"])
     assert slow_says["share"] > fast_says["share"]
     assert (tmp_path / "slow" / "report.html").read_text().count("it bounds this run") == 1

@@ -123,6 +123,10 @@ class Coordinator:
         marks = self.starting
         marks.append(time.time())
         join_s = self.cfg.timeouts.join_s
+        if self.mode.placed_state:
+            # DCP's reader, imported now in this thread, while the workers start: imported first in a recovery, torch's
+            # distributed packages once raced an import in another of the actor's threads (ImportError: ShardedTensor)
+            import etrain.core.sharded_checkpoint  # noqa: F401
         try:
             self.team.gather([w.info.remote() for w in self.team.workers], self.team.workers, "worker start", join_s)
             marks.append(time.time())
