@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from statistics import mean
+from statistics import median
 
 import numpy as np
 import pytest
@@ -172,7 +172,11 @@ def test_parameter_server_mode_bounds_staleness_and_resumes(make_cfg):
     [summary] = records(run_dir, "ps")
     assert any(s["window_closes"] > 0 for s in summary["shards"])  # fast workers went on without the straggler
     assert any(s["max_staleness_seen"] >= 1 for s in summary["shards"])
-    assert mean(r["loss"] for r in steps[15:]) < 0.9 * mean(r["loss"] for r in steps[:5])  # it learns
+    print("losses", [round(r["loss"], 3) for r in steps], "staleness", [r["max_staleness"] for r in steps])
+    # It learns. Medians, not means: rounds the window closes on half a batch late in the warm-up make the tiny
+    # model spike for a step or two now and then (3.1 -> 7.5 -> 3.0: in 7 of 19 runs, with the code before the engine
+    # split as after), which a mean of five steps takes for not learning.
+    assert median(r["loss"] for r in steps[15:]) < 0.9 * median(r["loss"] for r in steps[:5])
     assert [r["step"] for r in records(run_dir, "eval")] == [10, 20]
     assert load_latest(str(run_dir / "checkpoints")).meta["step"] == 20
 
@@ -189,10 +193,10 @@ def test_parameter_server_mode_bounds_staleness_and_resumes(make_cfg):
     assert [r["step"] for r in steps] == list(range(1, 29))
     assert [r["step"] for r in records(run_dir, "resume")] == [20, 24]
     assert steps[-1]["cursor"] == 28 * 16
-    # Went on from the trained weights, not from scratch: the 8 steps after the resumes lose less, on average, than
+    # Went on from the trained weights, not from scratch: the 8 steps after the resumes lose less (medians) than
     # the run's first 8 (single steps are too noisy to compare: PS mode is not deterministic).
     print("losses", [round(r["loss"], 3) for r in steps])
-    assert mean(r["loss"] for r in steps[20:]) < mean(r["loss"] for r in steps[:8])
+    assert median(r["loss"] for r in steps[20:]) < median(r["loss"] for r in steps[:8])
     assert steps[24]["lr"] == pytest.approx(cfg.optim.lr * lr_factor(24, cfg.optim, 28))  # the schedule went on
 
 
