@@ -114,7 +114,9 @@ class Stepper:
         except WorkersLost as gone:
             self.drop_ahead()
             survivors = [done for w, done in zip(sent.workers, gone.finished) if w not in gone.lost]
-            if survivors and all(survivors):  # their all-reduce had every share in it
+            # their all-reduce had every share in it; not so in a DiLoCo window's inner steps (no all-reduce: what
+            # the lost member learned is lost, and the window is redone from its start)
+            if survivors and all(survivors) and self.cfg.outer_step(n):
                 self.commit(at, sent.batch, None, 0.0)
             return Outcome(lost=gone.lost, since=sent.started, cause=f"step {n}: {gone.cause}")
         returned = time.perf_counter()
