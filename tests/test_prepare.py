@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import fsspec
@@ -15,7 +16,7 @@ import pytest
 
 from etrain.cli import main
 from etrain.core.config import ConfigError
-from etrain.data import tokenizer
+from etrain.data import scripts, tokenizer
 from etrain.data.shards import ShardReader
 from etrain.driver.job import new_run_dir, train
 
@@ -241,3 +242,37 @@ def test_a_small_corpus_keeps_an_eval_sample_and_the_printed_command_trains(tmp_
         f"data.cache_dir={data.cache_dir}",
     ]
     assert main([*command[1:], "--no-progress", *(a for s in more for a in ("--set", s))]) == 0
+
+
+def test_a_mixed_script_corpus_keeps_its_good_documents_and_the_report_says_why_per_script(tmp_path):
+    """Issue 43: English, Chinese, Japanese, Thai and code, good and junk by hand (tests/data/mixed_scripts.jsonl),
+    through the real prepare: what it keeps is what the labels call good, report.json counts each script apart, and
+    the language check keeps working (prepare.languages=[zh] keeps the Chinese alone)."""
+    labelled = Path(__file__).parent / "data" / "mixed_scripts.jsonl"
+    rows = [json.loads(line) for line in labelled.read_text(encoding="utf-8").splitlines()]
+    split = ["--set", "data.shard_bytes=8000", "--set", "data.eval_fraction=0.2", "--no-progress"]
+    assert main(["prepare", str(labelled), "--out", str(tmp_path / "all"), *split]) == 0
+    report = json.loads((tmp_path / "all" / "report.json").read_text())
+    # a document is counted under the script it is written in (junk such as a one-line minified script may not
+    # read as code); the good ones are all kept, under the script they were labelled with
+    read = Counter(scripts.of_document(r["text"]) for r in rows)
+    good = Counter(r["script"] for r in rows if r["label"] == "good")
+    assert {s: (seen["read"], seen["kept"]) for s, seen in report["by_script"].items()} == {
+        s: (read[s], good[s]) for s in read
+    }
+    assert sum(read.values()) == report["documents_read"] == len(rows)
+    assert report["documents_kept"] == good.total()
+    quarantine = [json.loads(line) for line in (tmp_path / "all" / "quarantine.jsonl").read_text().splitlines()]
+    junk = [scripts.of_document(r["text"]) for r in rows if r["label"] == "junk"]
+    assert sorted(q["script"] for q in quarantine) == sorted(junk)
+    for s, seen in report["by_script"].items():
+        assert sum(seen["rejected_by_reason"].values()) == seen["read"] - seen["kept"]
+        assert seen["rejected_by_reason"] == dict(
+            sorted(Counter(q["reason"] for q in quarantine if q["script"] == s).items())
+        )
+
+    chinese = [*split, "--set", "prepare.languages=[zh]"]
+    assert main(["prepare", str(labelled), "--out", str(tmp_path / "zh"), *chinese]) == 0
+    report = json.loads((tmp_path / "zh" / "report.json").read_text())
+    assert report["documents_kept"] == sum(r["label"] == "good" and r["script"] == "han" for r in rows)
+    assert {s for s, seen in report["by_script"].items() if seen["kept"]} == {"han"}

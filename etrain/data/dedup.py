@@ -14,6 +14,8 @@ import zlib
 
 import numpy as np
 
+from etrain.data import scripts
+
 
 def permutations(num_perm: int, seed: int = 1) -> np.ndarray:
     """One random 64-bit key per hash function."""
@@ -30,7 +32,8 @@ def _mix(z: np.ndarray) -> np.ndarray:
 
 
 def shingles(text: str, n: int) -> np.ndarray:
-    words = text.split()
+    """The text's word n-grams, hashed: of characters where a script has no spaces (etrain/data/scripts.py)."""
+    words = scripts.words(text)
     grams = {" ".join(words[i : i + n]) for i in range(max(1, len(words) - n + 1))}
     return np.fromiter((zlib.crc32(g.encode()) for g in grams), dtype=np.uint64, count=len(grams))
 

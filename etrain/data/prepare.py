@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from etrain.core.config import Config, ConfigError, PrepareConfig
 from etrain.core.storage import STORAGE_ERRORS, StorageError, describe
-from etrain.data import dedup, language, quality, tokenizer
+from etrain.data import dedup, language, quality, scripts, tokenizer
 from etrain.data.shards import SplitWriter, pack_rows, write_manifest
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
@@ -94,8 +94,12 @@ def prepare(
             d: ("duplicate_near", of) for d, of in near.items()
         }
         rejected = _quarantine(docs, duplicates) + [
-            {"doc_id": -1, "path": p, "row": 0, "reason": "unreadable", "detail": why} for p, why in missing
+            {"doc_id": -1, "path": p, "row": 0, "reason": "unreadable", "detail": why, "script": "none"}
+            for p, why in missing
         ]
+        read = Counter({r["script"]: r["count()"] for r in docs.groupby("script").count().take_all()})
+        if missing:
+            read["none"] += len(missing)
         next_stage(3, rejected=len(rejected))
         tok = _tokenizer(cfg.prepare.tokenizer, final)
         staging = _staging(out, fs, root)
@@ -126,7 +130,7 @@ def prepare(
                 cfg,
                 packed,
                 rejected,
-                read=docs.count() + len(missing),
+                read=read,
                 storage=storage,
                 tok=tok,
             )
@@ -265,6 +269,7 @@ def inspect(doc: dict, cfg: Config) -> dict:
         "sha": hashlib.sha256(text.encode()).hexdigest(),
         "sig": sig,
         "chars": len(text),
+        "script": scripts.of_document(text),
     }
 
 
@@ -412,8 +417,18 @@ def _staging(out: str, fs, root: str) -> str:
 
 
 def _finish(
-    out, staging, fs, root, cfg: Config, packed: list[dict], rejected: list[dict], read: int, storage: dict, tok=None
+    out,
+    staging,
+    fs,
+    root,
+    cfg: Config,
+    packed: list[dict],
+    rejected: list[dict],
+    read: Counter,
+    storage: dict,
+    tok=None,
 ) -> dict:
+    """The manifest, report.json (what was read, kept and rejected, in all and by script) and quarantine.jsonl."""
     splits: dict[str, list[dict]] = {"train": [], "eval": []}
     for row in packed:
         splits[row["split"]] += json.loads(row["entries"])
@@ -421,12 +436,17 @@ def _finish(
         entries.sort(key=lambda e: e["path"])
     rejected.sort(key=lambda r: (r["doc_id"], r["path"]))
     reasons = Counter(r["reason"] for r in rejected)
+    by_script = {}
+    for name, count in sorted(read.items()):
+        why = Counter(r["reason"] for r in rejected if r["script"] == name)
+        by_script[name] = {"read": count, "kept": count - why.total(), "rejected_by_reason": dict(sorted(why.items()))}
     report = {
-        "documents_read": read,
-        "documents_kept": read - len(rejected),
+        "documents_read": read.total(),
+        "documents_kept": read.total() - len(rejected),
         "documents_rejected": len(rejected),
         "rejected_by_reason": dict(sorted(reasons.items())),
         "duplicates_removed": reasons["duplicate_exact"] + reasons["duplicate_near"],
+        "by_script": by_script,
         "tokens": sum(r["tokens"] for r in packed),
         "tokens_dropped_at_packing": sum(r["dropped_tokens"] for r in packed),
         "shards": sum(len(v) for v in splits.values()),
@@ -436,8 +456,8 @@ def _finish(
     }
     if not splits["train"]:
         raise ConfigError(
-            f"no training data left: {report['documents_rejected']} of {read} documents rejected ({dict(reasons)}); "
-            "see the thresholds under prepare.*"
+            f"no training data left: {report['documents_rejected']} of {read.total()} documents rejected "
+            f"({dict(reasons)}); see the thresholds under prepare.*"
         )
     if not report["samples"]["eval"]:
         raise ConfigError(
@@ -472,7 +492,8 @@ def _quarantine(docs, duplicates: dict[int, tuple[str, int]]) -> list[dict]:
     """Every rejected document with its source and reason (duplicates name the copy they repeat)."""
     originals = {of for _, of in duplicates.values()}
     wanted = docs.filter(lambda r: r["reason"] is not None or r["doc_id"] in duplicates or r["doc_id"] in originals)
-    rows = {r["doc_id"]: r for r in wanted.select_columns(["doc_id", "path", "row", "reason", "detail"]).take_all()}
+    columns = ["doc_id", "path", "row", "reason", "detail", "script"]
+    rows = {r["doc_id"]: r for r in wanted.select_columns(columns).take_all()}
     out = []
     for doc_id, r in rows.items():
         if r["reason"] is None and doc_id not in duplicates:
@@ -481,5 +502,6 @@ def _quarantine(docs, duplicates: dict[int, tuple[str, int]]) -> list[dict]:
         if reason is None:
             reason, of = duplicates[doc_id]
             detail = f"duplicate of {rows[of]['path']} row {rows[of]['row']}"
-        out.append({"doc_id": int(doc_id), "path": r["path"], "row": int(r["row"]), "reason": reason, "detail": detail})
+        where = {"doc_id": int(doc_id), "path": r["path"], "row": int(r["row"])}
+        out.append(where | {"reason": reason, "detail": detail, "script": r["script"]})
     return out

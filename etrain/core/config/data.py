@@ -52,6 +52,12 @@ class PrepareConfig(Section):
     parquet_column: str = Field("text", description="Parquet column holding a document's text")
     min_words: int = Field(20, ge=1, description="shorter documents are rejected as too_short")
     max_symbol_ratio: float = Field(0.25, gt=0, le=1, description="non-letters among visible characters")
+    max_code_symbol_ratio: float = Field(
+        0.45, gt=0, le=1, description="non-letters among visible characters of source code (etrain/data/scripts.py)"
+    )
+    max_separator_ratio: float = Field(
+        0.05, ge=0, le=1, description="lone separators (| • » / ...) per word, as a navigation menu has them"
+    )
     min_mean_word_length: float = Field(2.5, gt=0)
     max_mean_word_length: float = Field(10.0, gt=0)
     max_repeated_line_ratio: float = Field(0.3, ge=0, le=1, description="lines repeating an earlier line")
