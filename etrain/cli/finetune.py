@@ -16,11 +16,18 @@ def add_command(sub) -> None:
         "etrain finetune --from runs/base --set data.source=corpus/ --set train.steps=200",
         "etrain finetune --from runs/base/checkpoints/step-00000500 --config ft.yaml --set finetune.lora.rank=4",
         "etrain finetune --from runs/base --set finetune.method=full --set optim.lr=3e-4",
+        "etrain finetune --from models/llama-hf --adapter adapters/llama-lora --set data.source=corpus/",
     )
     add_config(p)
     add_base(p, "the model to fine-tune")
+    p.add_argument(
+        "--adapter",
+        metavar="PEFT_DIR",
+        help="continue these LoRA adapters (a PEFT directory: adapter_config.json, adapter_model.safetensors; "
+        "etrain export --format peft writes one); the run takes their rank, alpha and targets",
+    )
     add_progress(p)
 
 
 def cmd_finetune(args, started_at: float) -> int:
-    return from_base(args, args.source, args.set, started_at)
+    return from_base(args, args.source, args.set, started_at, adapter=args.adapter)

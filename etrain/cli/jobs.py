@@ -10,13 +10,16 @@ from pathlib import Path
 from etrain.cli.logs import logging_to
 
 
-def from_base(args, source: str, overrides: list[str], started_at: float, then: dict | None = None) -> int:
-    """A new run from the weights at `source` (a run, a checkpoint or a Hugging Face directory); `then`: keys set
-    once the base is known (PPO's reward, which the config accepts only with a base)."""
+def from_base(
+    args, source: str, overrides: list[str], started_at: float, then: dict | None = None, adapter: str | None = None
+) -> int:
+    """A new run from the weights at `source` (a run, a checkpoint or a Hugging Face directory), its LoRA adapters
+    from `adapter` (a PEFT directory) where given; `then`: keys set once the base is known (PPO's reward, which the
+    config accepts only with a base)."""
     from etrain.core.config import override
     from etrain.core.finetune import finetune_config
 
-    cfg = override(finetune_config(source, args.config, overrides), then or {})
+    cfg = override(finetune_config(source, args.config, overrides, adapter), then or {})
     print(f"base: {cfg.finetune.base}" + "".join(f"; {k}: {v}" for k, v in (then or {}).items()), file=sys.stderr)
     return train_job(args, cfg, None, started_at)
 

@@ -43,6 +43,8 @@ def build_model(cfg: Config) -> LanguageModel:
     load_base(model, ft)
     if ft.method == "lora":
         add_adapters(model, ft.lora)
+        if ft.adapter is not None:
+            load_adapter(model, cfg)
     if cfg.ppo.reward is not None:  # after the adapters: it trains, whatever the method
         model.add_value_head()
     return model
@@ -61,6 +63,11 @@ def check_base(cfg: Config) -> None:
                 add_adapters(make_model(cfg.model), cfg.finetune.lora)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+    if cfg.finetune.adapter is not None:  # present, unchanged, and of this model's adapters
+        with torch.device("meta"):
+            adapted = make_model(cfg.model)
+            add_adapters(adapted, cfg.finetune.lora)
+        load_adapter(adapted, cfg)
     if got != expected:
         differ = sorted(n for n in expected.keys() | got.keys() if expected.get(n) != got.get(n))
         raise ConfigError(
@@ -146,6 +153,26 @@ def load_base(model: LanguageModel, ft: FinetuneConfig) -> None:
         ) from None
 
 
+def load_adapter(model: LanguageModel, cfg: Config) -> None:
+    """The PEFT adapter the run continues (finetune.adapter) into the adapters just added: refused unless it is the
+    one the run recorded."""
+    from etrain.core import peft_adapter
+
+    ft = cfg.finetune
+    digest, (_, tensors) = peft_adapter.digest(ft.adapter), peft_adapter.read(ft.adapter, cfg.model)
+    if digest != ft.adapter_digest:
+        raise ConfigError(
+            f"finetune.adapter {ft.adapter} is not the adapter this run was made from: its sha256 is {digest[:16]}, "
+            f"the run recorded {ft.adapter_digest[:16]}; put that adapter back, or start a new run from this one"
+        )
+    held = adapters(model)
+    if tensors.keys() != held.keys():
+        raise ConfigError(f"finetune.adapter {ft.adapter} does not hold the adapters of finetune.lora.targets")
+    with torch.no_grad():
+        for name, t in tensors.items():
+            held[name].copy_(t)
+
+
 def model_only(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's weights without a PPO run's value head: the language model a base is."""
     return {n: t for n, t in weights.items() if not n.startswith(VALUE_HEAD)}
@@ -212,11 +239,15 @@ def resolve_base(source: str) -> tuple[str, str, Config | None, ModelConfig | No
     return ckpt.path.removeprefix("file://"), checkpoint.weights_digest(weights), run_cfg, None  # local: a path
 
 
-def finetune_config(source: str, config: str | None, overrides: list[str]) -> Config:
+def finetune_config(source: str, config: str | None, overrides: list[str], adapter: str | None = None) -> Config:
     """A fine-tuning run's config: `config`, or else the base run's own (its data, optimizer, cluster ...; not its
-    name, checkpoint location or faults), with `overrides`. The model is the base's either way."""
-    if any(item.partition("=")[0].strip().startswith("finetune.base") for item in overrides):
+    name, checkpoint location or faults), with `overrides`. The model is the base's either way; with `adapter` (a
+    PEFT directory), LoRA's settings are the adapter's."""
+    keys = [item.partition("=")[0].strip() for item in overrides]
+    if any(key.startswith("finetune.base") for key in keys):
         raise ConfigError("finetune.base is where --from points: give the run or checkpoint with --from")
+    if any(key.startswith("finetune.adapter") for key in keys):
+        raise ConfigError("finetune.adapter is where --adapter points: give the adapter directory with --adapter")
     base, digest, base_cfg, base_model = resolve_base(source)
     start: str | dict | None = config
     if config is None and base_cfg is not None:
@@ -234,4 +265,23 @@ def finetune_config(source: str, config: str | None, overrides: list[str]) -> Co
     if ours != theirs:
         differ = ", ".join(f"model.{k}={ours[k]} (the base's: {theirs[k]})" for k in ours if ours[k] != theirs[k])
         raise ConfigError(f"{differ}: a fine-tuning run trains its base's model; leave the model section out")
-    return override(cfg, {"finetune.base": base, "finetune.base_digest": digest})
+    cfg = override(cfg, {"finetune.base": base, "finetune.base_digest": digest})
+    return cfg if adapter is None else _with_adapter(cfg, adapter, keys)
+
+
+def _with_adapter(cfg: Config, adapter: str, keys: list[str]) -> Config:
+    """`cfg` continuing the PEFT adapter at `adapter`: its rank, alpha, dropout and targets (set here, never
+    overridden), its path and digest."""
+    from etrain.core import peft_adapter
+
+    if cfg.finetune.method != "lora":
+        raise ConfigError("--adapter continues LoRA adapters: it needs finetune.method=lora")
+    fixed = [k for k in keys if k in ("finetune.lora.rank", "finetune.lora.alpha", "finetune.lora.targets")]
+    if fixed:
+        raise ConfigError(f"{', '.join(fixed)}: the adapter's own settings apply (adapter_config.json); leave them out")
+    adapter = str(Path(adapter).expanduser().resolve())
+    settings, _ = peft_adapter.read(adapter, cfg.model)
+    lora = {
+        f"finetune.lora.{k}": v for k, v in settings.items() if k != "dropout" or "finetune.lora.dropout" not in keys
+    }
+    return override(cfg, lora | {"finetune.adapter": adapter, "finetune.adapter_digest": peft_adapter.digest(adapter)})

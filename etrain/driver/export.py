@@ -1,7 +1,7 @@
 """`etrain export`: a run's trained model as plain weights in a directory laid out as a run's (config.yaml and
 checkpoints/), so `etrain finetune --from` takes it as a base, and torch.load(weights_only=True) reads its
 model.pt; or, for the Llama family, as a Hugging Face directory that `transformers` loads (etrain/core/hf.py). A LoRA
-run's adapters are merged into its base."""
+run's adapters are merged into its base, or written alone as a PEFT adapter directory (etrain/core/peft_adapter.py)."""
 
 from __future__ import annotations
 
@@ -25,16 +25,20 @@ def export(run_dir: Path, out: Path, merge: bool, format: str = "run") -> dict:
     if not saved.is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give the directory a run printed")
     cfg = validate(yaml.safe_load(saved.read_text()))
-    if cfg.finetune.lora_on and not merge:
+    if format == "peft" and not cfg.finetune.lora_on:
+        raise UsageError(f"{run_dir} is no LoRA run: --format peft writes a LoRA run's adapters (use run or hf)")
+    if format == "peft" and merge:
+        raise UsageError("--format peft writes the adapters alone: leave --merge out (or merge with --format hf)")
+    if cfg.finetune.lora_on and not merge and format != "peft":
         raise UsageError(
             f"{run_dir} is a LoRA run: its checkpoints hold only adapters; add --merge to write them merged into "
-            "its base as plain weights"
+            "its base as plain weights, or write them as a PEFT adapter directory with --format peft"
         )
-    if format == "hf" and cfg.model.spec.hf is None:
+    if format in ("hf", "peft") and cfg.model.spec.hf is None:
         with_format = ", ".join(name for name, spec in FAMILIES.items() if spec.hf)
         raise UsageError(
             f"{run_dir} trains model.family={cfg.model.family}, which has no Hugging Face architecture; "
-            f"--format hf writes model.family={with_format} runs (export it with --format run)"
+            f"--format {format} writes model.family={with_format} runs (export it with --format run)"
         )
     if out.is_symlink() and not out.exists():
         raise UsageError(
@@ -48,6 +52,11 @@ def export(run_dir: Path, out: Path, merge: bool, format: str = "run") -> dict:
         raise ConfigError(f"{run_dir} has no committed checkpoint to export yet")
     model = build_model(cfg)
     load_trained_state(model, checkpoint.model_weights(ckpt.parts))
+    if format == "peft":
+        from etrain.core import peft_adapter
+
+        written = peft_adapter.write(model, cfg.model, cfg.finetune.lora, out, cfg.finetune.base)
+        return {"out": str(out), "format": "peft", "step": ckpt.meta["step"], "base": cfg.finetune.base, **written}
     state = merged_state(model) if cfg.finetune.lora_on else model.state_dict()
     state = {k: v for k, v in state.items() if not k.startswith("value_head.")}  # a PPO run's critic: not the model
     step = ckpt.meta["step"]

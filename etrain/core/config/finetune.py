@@ -45,6 +45,14 @@ class FinetuneConfig(Section):
     )
     method: Literal["lora", "full"] = Field("lora", description="lora: adapters only; full: every weight trains")
     lora: LoraConfig = LoraConfig()
+    adapter: str | None = Field(
+        None,
+        description="a PEFT LoRA adapter directory the adapters start from, its settings the run's finetune.lora "
+        "(set by etrain finetune --adapter)",
+    )
+    adapter_digest: str | None = Field(
+        None, description="sha256 of the adapter's adapter_model.safetensors, taken when the run was made"
+    )
 
     @model_validator(mode="after")
     def _digest_with_base(self) -> FinetuneConfig:
@@ -52,6 +60,11 @@ class FinetuneConfig(Section):
             raise ValueError(
                 "finetune.base needs finetune.base_digest; start fine-tuning runs with `etrain finetune --from`, "
                 "which records it"
+            )
+        if self.adapter is not None and (self.base is None or self.method != "lora" or self.adapter_digest is None):
+            raise ValueError(
+                "finetune.adapter continues LoRA adapters on a base: start such a run with `etrain finetune --from "
+                "BASE --adapter DIR` (finetune.method=lora), which records the adapter's digest"
             )
         return self
 

@@ -21,6 +21,8 @@ from etrain.core.config.model import ModelConfig, family_keys
 from etrain.core.config.parallel import BalanceConfig, CommConfig, ParallelConfig
 from etrain.core.config.training import OptimConfig, TrainConfig
 
+# Keys that came after runs were made, left out of a run's identity at their default (None)
+LATER = ("finetune.adapter", "finetune.adapter_digest")
 # What a resume may change: how, where and how long a run goes on (and how gradients travel); never the
 # model, data or optimizer.
 RESUMABLE = (
@@ -82,6 +84,10 @@ class Config(Section):
             body["model"].pop(key)
         if self.model.family == ModelConfig.model_fields["family"].default:
             body["model"].pop("family")
+        for key in LATER:  # came after runs were made: left out at their default, so those runs' identity holds
+            section, _, leaf = key.partition(".")
+            if body[section][leaf] is None:
+                body[section].pop(leaf)
         for key in RESUMABLE:
             section, _, leaf = key.partition(".")
             body[section].pop(leaf) if leaf else body.pop(section)

@@ -1,0 +1,174 @@
+"""LoRA adapters as PEFT's directory (adapter_config.json and adapter_model.safetensors), out and in: the form
+Hugging Face users share adapters in, which `peft.PeftModel.from_pretrained(base, DIR)` puts on a transformers model.
+Ours are PEFT's own LoRA (A kaiming-initialised, B zero, the update scaled by alpha / r), so only names change: a
+module is named as the family's Hugging Face format names it (etrain/core/models/<family>/hf.py), which a family
+without one does not have. What PEFT writes beyond plain LoRA (DoRA, rsLoRA's scale, per-module ranks, whole modules
+saved beside the adapters) is refused by name on the way in, and never written: nothing here runs code from a file
+(JSON and safetensors only)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from etrain.core.config import ConfigError, LoraConfig, ModelConfig
+from etrain.core.lora import LoRALinear
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."  # PeftModel's own prefix on the base's module names, as saved
+KEY = re.compile(r"base_model\.model\.(.+)\.lora_(A|B)\.weight")
+# adapter_config.json keys whose value other than this one changes what the adapters compute
+PLAIN = {
+    "peft_type": "LORA",
+    "bias": "none",
+    "fan_in_fan_out": False,
+    "use_rslora": False,
+    "use_dora": False,
+    "modules_to_save": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "layers_to_transform": None,
+    "lora_bias": False,
+}
+
+
+def write(model: torch.nn.Module, args: ModelConfig, lora: LoraConfig, out: Path, base: str | None) -> dict:
+    """The adapters of `model` (a LoRA run's) as a PEFT directory under `out` (new or empty); what was written."""
+    fmt = args.spec.hf
+    if fmt is None:
+        raise ConfigError(
+            f"model.family={args.family} has no Hugging Face format: PEFT names an adapter's module as the base's "
+            "transformers model does (export it merged: --merge)"
+        )
+    if lora.also_train:
+        raise ConfigError(
+            f"this run also trains {lora.also_train} in full (finetune.lora.also_train), which a PEFT adapter "
+            "directory of plain LoRA does not hold: export it merged (--merge)"
+        )
+    adapted = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    modules = {name: fmt.their_name(f"{name}.weight").removesuffix(".weight") for name in adapted}
+    tensors = {}
+    for name, m in adapted.items():
+        tensors[f"{PREFIX}{modules[name]}.lora_A.weight"] = m.lora_a.detach().to("cpu", copy=True).contiguous()
+        tensors[f"{PREFIX}{modules[name]}.lora_B.weight"] = m.lora_b.detach().to("cpu", copy=True).contiguous()
+    config = {
+        **PLAIN,
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": _targets(list(modules.values())),
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / WEIGHTS, metadata={"format": "pt"})
+    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return {"adapters": len(adapted), "target_modules": config["target_modules"], "r": lora.rank}
+
+
+def _targets(modules: list[str]) -> list[str]:
+    """PEFT's target_modules: the kinds of module adapted (q_proj, v_proj...) where every layer's is, else the
+    modules' full names (PEFT takes a name that equals a module's, or ends one after a dot)."""
+    kinds = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    return kinds if len(kinds) * _layers(modules) == len(modules) else sorted(modules)
+
+
+def _layers(modules: list[str]) -> int:
+    found = {int(m[1]) for name in modules if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    return max(len(found), 1)
+
+
+def digest(directory: str | Path) -> str:
+    """sha256 of the adapter's weights file: what a run records, so that a changed adapter is refused."""
+    try:
+        with open(Path(directory) / WEIGHTS, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except FileNotFoundError:
+        raise ConfigError(f"finetune.adapter {directory} has no {WEIGHTS}") from None
+
+
+def read(directory: str | Path, args: ModelConfig) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A PEFT LoRA directory for a model of `args`: its LoRA settings as our finetune.lora keys (rank, alpha,
+    dropout, targets: our module names) and its tensors by our parameter names (`blocks.0.attn.q.lora_a`...).
+    ConfigError naming what is wrong or not supported."""
+    root = Path(directory)
+    fmt = args.spec.hf
+    if fmt is None:
+        raise ConfigError(f"model.family={args.family} has no Hugging Face format, so no PEFT adapter fits it")
+    try:
+        config = json.loads((root / CONFIG).read_text())
+    except FileNotFoundError:
+        found = sorted(p.name for p in root.iterdir()) if root.is_dir() else "no such directory"
+        raise ConfigError(f"{root} is not a PEFT adapter directory: it has no {CONFIG} ({found})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{root / CONFIG} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{root / CONFIG} holds no JSON object")
+    if differ := {k: config[k] for k, v in PLAIN.items() if k in config and not _same(config[k], v)}:
+        raise ConfigError(f"{root / CONFIG}: {differ} is not plain LoRA, which is all this trainer's adapters are")
+    if config.get("peft_type") != "LORA":
+        raise ConfigError(f"{root / CONFIG}: peft_type {config.get('peft_type')!r} is not LORA")
+    if not (root / WEIGHTS).is_file():
+        raise ConfigError(
+            f"{root} has no {WEIGHTS} (an adapter_model.bin is a pickle, which is never read: save it with "
+            "safe_serialization)"
+        )
+    try:
+        saved = load_file(root / WEIGHTS)
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{root / WEIGHTS} is not a readable safetensors file ({e})") from None
+    tensors, modules = {}, set()
+    for key, t in saved.items():
+        m = KEY.fullmatch(key)
+        ours = fmt.our_name(f"{m[1]}.weight") if m else None
+        if ours is None:
+            raise ConfigError(f"{root / WEIGHTS}: tensor {key!r} is no LoRA weight of a {args.family} model's module")
+        module = ours.removesuffix(".weight")
+        modules.add(module)
+        tensors[f"{module}.lora_{m[2].lower()}"] = t
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise ConfigError(f"{root / CONFIG}: r={rank!r} is not a positive whole number")
+    for module in sorted(modules):
+        a, b = tensors.get(f"{module}.lora_a"), tensors.get(f"{module}.lora_b")
+        if a is None or b is None:
+            raise ConfigError(
+                f"{root / WEIGHTS}: module {fmt.their_name(module + '.weight')} has lora_A or lora_B alone"
+            )
+        if a.shape[0] != rank or b.shape[1] != rank:
+            raise ConfigError(
+                f"{root / WEIGHTS}: {module}'s A {tuple(a.shape)} and B {tuple(b.shape)} are not of r={rank}"
+            )
+    settings = {
+        "rank": rank,
+        "alpha": float(config.get("lora_alpha", 8)),
+        "dropout": float(config.get("lora_dropout") or 0.0),
+        "targets": _ours(sorted(modules), args.n_layer),
+    }
+    return settings, tensors
+
+
+def _same(value, plain) -> bool:
+    """A setting as plain LoRA has it; off written as false, null, {} or [] alike."""
+    return value == plain or (not value and not plain)
+
+
+def _ours(modules: list[str], layers: int) -> list[str]:
+    """finetune.lora.targets for the adapted modules: a kind (attn.q) where every block has one, else the names."""
+    kinds = {}
+    for module in modules:
+        m = re.fullmatch(r"blocks\.\d+\.(.+)", module)
+        kinds.setdefault(m[1] if m else module, []).append(module)
+    out = []
+    for kind, names in kinds.items():
+        out += [kind] if len(names) == layers and names != [kind] else names
+    return sorted(out)
