@@ -193,3 +193,21 @@ def test_a_run_on_ray_continues_an_exported_adapter_from_the_command_line(make_c
     assert again.keys() == exported.keys()
     for name, t in exported.items():
         torch.testing.assert_close(again[name], t, rtol=0, atol=1e-9)
+
+
+def test_an_adapter_on_s3_is_continued_as_a_local_one(s3_bucket, rng, tmp_path):
+    import fsspec
+
+    base, run, cfg, ours = lora_run(rng, tmp_path, ["attn.q", "attn.v"])
+    out = tmp_path / "adapter"
+    assert main(["export", str(run), "--format", "peft", "--out", str(out)]) == 0
+    uri = f"{s3_bucket}/adapters/a"
+    fsspec.filesystem("s3").put(str(out) + "/", uri.removeprefix("s3://") + "/", recursive=True)
+    remote = finetune_config(str(base), "tiny", ["model.seq_len=32"], adapter=uri)
+    assert remote.finetune.adapter == uri and remote.finetune.adapter_digest == peft_adapter.digest(out)
+    check_base(remote)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        torch.testing.assert_close(build_model(remote).eval().logits(tokens), ours.logits(tokens))
+    with pytest.raises(ConfigError, match=r"has no adapter_config.json \(no such directory\)"):
+        peft_adapter.read(f"{s3_bucket}/adapters/missing", cfg.model)

@@ -279,7 +279,8 @@ def _with_adapter(cfg: Config, adapter: str, keys: list[str]) -> Config:
     fixed = [k for k in keys if k in ("finetune.lora.rank", "finetune.lora.alpha", "finetune.lora.targets")]
     if fixed:
         raise ConfigError(f"{', '.join(fixed)}: the adapter's own settings apply (adapter_config.json); leave them out")
-    adapter = str(Path(adapter).expanduser().resolve())
+    if "://" not in adapter:  # a local path, stored absolute (a URI as given: s3://...)
+        adapter = str(Path(adapter).expanduser().resolve())
     settings, _ = peft_adapter.read(adapter, cfg.model)
     lora = {
         f"finetune.lora.{k}": v for k, v in settings.items() if k != "dropout" or "finetune.lora.dropout" not in keys

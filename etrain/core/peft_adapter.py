@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import re
 from pathlib import Path
 
+import fsspec
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save_file
 
 from etrain.core.config import ConfigError, LoraConfig, ModelConfig
 from etrain.core.lora import LoRALinear
+from etrain.core.storage import STORAGE_ERRORS, describe
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -89,65 +92,67 @@ def _layers(modules: list[str]) -> int:
 
 def digest(directory: str | Path) -> str:
     """sha256 of the adapter's weights file: what a run records, so that a changed adapter is refused."""
+    return hashlib.sha256(_read(directory, WEIGHTS)).hexdigest()
+
+
+def _read(directory: str | Path, name: str) -> bytes:
+    """One file of an adapter directory, local or at a URI (s3://...): ConfigError naming it when it is missing
+    or cannot be read."""
+    fs, root = fsspec.core.url_to_fs(str(directory))
+    path = posixpath.join(root, name)
     try:
-        with open(Path(directory) / WEIGHTS, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
+        return fs.cat_file(path)
     except FileNotFoundError:
-        raise ConfigError(f"finetune.adapter {directory} has no {WEIGHTS}") from None
+        found = sorted(posixpath.basename(p) for p in fs.ls(root, detail=False)) if fs.isdir(root) else None
+        why = " (no such directory)" if found is None else f" (it holds {found})"
+        if name == WEIGHTS and found and "adapter_model.bin" in found:
+            why += ": an adapter_model.bin is a pickle, which is never read (save it with safe_serialization)"
+        raise ConfigError(f"{directory} is not a PEFT adapter directory: it has no {name}{why}") from None
+    except STORAGE_ERRORS as e:
+        raise ConfigError(f"{directory}: {name} cannot be read: {describe(e)}") from None
 
 
 def read(directory: str | Path, args: ModelConfig) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A PEFT LoRA directory for a model of `args`: its LoRA settings as our finetune.lora keys (rank, alpha,
-    dropout, targets: our module names) and its tensors by our parameter names (`blocks.0.attn.q.lora_a`...).
-    ConfigError naming what is wrong or not supported."""
-    root = Path(directory)
+    """A PEFT LoRA directory (local or at a URI) for a model of `args`: its LoRA settings as our finetune.lora keys
+    (rank, alpha, dropout, targets: our module names) and its tensors by our parameter names
+    (`blocks.0.attn.q.lora_a`...). ConfigError naming what is wrong or not supported."""
     fmt = args.spec.hf
     if fmt is None:
         raise ConfigError(f"model.family={args.family} has no Hugging Face format, so no PEFT adapter fits it")
+    where = f"{directory}/{CONFIG}"
     try:
-        config = json.loads((root / CONFIG).read_text())
-    except FileNotFoundError:
-        found = sorted(p.name for p in root.iterdir()) if root.is_dir() else "no such directory"
-        raise ConfigError(f"{root} is not a PEFT adapter directory: it has no {CONFIG} ({found})") from None
+        config = json.loads(_read(directory, CONFIG))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{root / CONFIG} is not valid JSON ({e})") from None
+        raise ConfigError(f"{where} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"{root / CONFIG} holds no JSON object")
+        raise ConfigError(f"{where} holds no JSON object")
     if differ := {k: config[k] for k, v in PLAIN.items() if k in config and not _same(config[k], v)}:
-        raise ConfigError(f"{root / CONFIG}: {differ} is not plain LoRA, which is all this trainer's adapters are")
+        raise ConfigError(f"{where}: {differ} is not plain LoRA, which is all this trainer's adapters are")
     if config.get("peft_type") != "LORA":
-        raise ConfigError(f"{root / CONFIG}: peft_type {config.get('peft_type')!r} is not LORA")
-    if not (root / WEIGHTS).is_file():
-        raise ConfigError(
-            f"{root} has no {WEIGHTS} (an adapter_model.bin is a pickle, which is never read: save it with "
-            "safe_serialization)"
-        )
+        raise ConfigError(f"{where}: peft_type {config.get('peft_type')!r} is not LORA")
+    where = f"{directory}/{WEIGHTS}"
     try:
-        saved = load_file(root / WEIGHTS)
-    except (SafetensorError, OSError) as e:
-        raise ConfigError(f"{root / WEIGHTS} is not a readable safetensors file ({e})") from None
+        saved = load(_read(directory, WEIGHTS))
+    except SafetensorError as e:
+        raise ConfigError(f"{where} is not a readable safetensors file ({e})") from None
     tensors, modules = {}, set()
     for key, t in saved.items():
         m = KEY.fullmatch(key)
         ours = fmt.our_name(f"{m[1]}.weight") if m else None
         if ours is None:
-            raise ConfigError(f"{root / WEIGHTS}: tensor {key!r} is no LoRA weight of a {args.family} model's module")
+            raise ConfigError(f"{where}: tensor {key!r} is no LoRA weight of a {args.family} model's module")
         module = ours.removesuffix(".weight")
         modules.add(module)
         tensors[f"{module}.lora_{m[2].lower()}"] = t
     rank = config.get("r")
     if not isinstance(rank, int) or rank < 1:
-        raise ConfigError(f"{root / CONFIG}: r={rank!r} is not a positive whole number")
+        raise ConfigError(f"{directory}/{CONFIG}: r={rank!r} is not a positive whole number")
     for module in sorted(modules):
         a, b = tensors.get(f"{module}.lora_a"), tensors.get(f"{module}.lora_b")
         if a is None or b is None:
-            raise ConfigError(
-                f"{root / WEIGHTS}: module {fmt.their_name(module + '.weight')} has lora_A or lora_B alone"
-            )
+            raise ConfigError(f"{where}: module {fmt.their_name(module + '.weight')} has lora_A or lora_B alone")
         if a.shape[0] != rank or b.shape[1] != rank:
-            raise ConfigError(
-                f"{root / WEIGHTS}: {module}'s A {tuple(a.shape)} and B {tuple(b.shape)} are not of r={rank}"
-            )
+            raise ConfigError(f"{where}: {module}'s A {tuple(a.shape)} and B {tuple(b.shape)} are not of r={rank}")
     settings = {
         "rank": rank,
         "alpha": float(config.get("lora_alpha", 8)),
