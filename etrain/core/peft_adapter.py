@@ -68,7 +68,7 @@ def write(model: torch.nn.Module, args: ModelConfig, lora: LoraConfig, out: Path
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": _targets(list(modules.values())),
+        "target_modules": _targets(list(modules.values()), args.n_layer),
         "init_lora_weights": True,
         "inference_mode": True,
     }
@@ -78,16 +78,13 @@ def write(model: torch.nn.Module, args: ModelConfig, lora: LoraConfig, out: Path
     return {"adapters": len(adapted), "target_modules": config["target_modules"], "r": lora.rank}
 
 
-def _targets(modules: list[str]) -> list[str]:
-    """PEFT's target_modules: the kinds of module adapted (q_proj, v_proj...) where every layer's is, else the
-    modules' full names (PEFT takes a name that equals a module's, or ends one after a dot)."""
+def _targets(modules: list[str], layers: int) -> list[str]:
+    """PEFT's target_modules: the kinds of module adapted (q_proj, v_proj...) where each is adapted in every one of
+    the model's `layers`, else the modules' full names (PEFT takes a name that equals a module's, or ends one after
+    a dot: a kind names it in every layer)."""
     kinds = sorted({m.rsplit(".", 1)[-1] for m in modules})
-    return kinds if len(kinds) * _layers(modules) == len(modules) else sorted(modules)
-
-
-def _layers(modules: list[str]) -> int:
-    found = {int(m[1]) for name in modules if (m := re.match(r"model\.layers\.(\d+)\.", name))}
-    return max(len(found), 1)
+    every = all(m.startswith("model.layers.") for m in modules) and len(modules) == len(kinds) * layers
+    return kinds if every else sorted(modules)
 
 
 def digest(directory: str | Path) -> str:
