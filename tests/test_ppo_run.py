@@ -169,3 +169,33 @@ def test_ppo_from_a_hugging_face_directory_rolls_out_in_its_own_tokenizer(make_c
     steps = records(run_dir, "train")
     assert [r["step"] for r in steps] == [1, 2] and all(-1 <= r["reward"] <= 1 for r in steps)
     assert records(run_dir, "eval")[-1]["eval_reward"] is not None
+
+
+def test_ppo_draws_its_prompts_from_a_file_and_hands_each_answer_to_the_checker(base_run, tmp_path, capsys):
+    """Issue 43, item 4: `etrain ppo --prompts FILE.jsonl` with a reward of three arguments. The checker, in the
+    rewarder actor, refuses a prompt that is not the file's or an answer that is not its prompt's (the run would
+    end naming it) and notes each prompt it scores: rollouts and evaluations drew from the file, the evaluations
+    from its held-out tenth."""
+    rows = [{"prompt": f"x = {i} + ", "answer": str(i)} for i in range(30)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = tmp_path / "seen.txt"
+    user = tmp_path / "checker.py"
+    user.write_text(
+        f"PROMPTS = {dict((r['prompt'], r['answer']) for r in rows)!r}\n\n\n"
+        "def check(prompt, response, answer):\n"
+        "    assert PROMPTS[prompt] == answer, (prompt, answer)\n"
+        f"    with open({str(seen)!r}, 'a') as f:\n"
+        "        f.write(prompt + '\\n')\n"
+        "    return float(response.strip() == answer)\n"
+    )
+    sets = [*PPO, "train.steps=2", "train.eval_every=2", "checkpoint.every=2", "ppo.eval_prompts=16"]
+    sets += ["run.name=ppo-prompts", "ppo.rollouts=16"]
+    sets = [x for item in sets for x in ("--set", item)]
+    code = main(["ppo", "--from", str(base_run), "--reward", f"{user}:check", "--prompts", str(prompts), *sets])
+    assert code == 0, capsys.readouterr().err
+    scored = set(seen.read_text().splitlines())
+    held = {r["prompt"] for i, r in enumerate(rows) if (i + 1) % 10 == 0}
+    assert scored <= {r["prompt"] for r in rows} and scored & held and scored - held
+    evals = records(base_run.parent / "ppo-prompts", "eval")
+    assert [e["step"] for e in evals] == [0, 2] and all(0 <= e["eval_reward"] <= 1 for e in evals)

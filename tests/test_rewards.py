@@ -3,6 +3,7 @@ path with its errors named, and sampling that is seeded and follows the model.""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -74,7 +75,8 @@ def test_etrain_ppo_refuses_a_reward_it_cannot_load_before_anything_starts(tmp_p
     from etrain.cli import main
 
     assert main(["ppo", "--from", str(tmp_path), "--reward", "sentiment"]) == 2
-    assert "name a built-in task (digits, brackets, length) or FILE.py:function" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "name a built-in task (digits, brackets, length), a checker of --prompts' answers (exact) or" in said
 
 
 def _task(tmp_path, body: str) -> Task:
@@ -164,3 +166,59 @@ def test_etrain_ppo_refuses_a_base_whose_tokenizer_it_cannot_read_before_anythin
         capsys.readouterr().err
     )
     assert not (tmp_path / "runs").exists()
+
+
+def prompt_file(path, records: list) -> str:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
+    return str(path)
+
+
+def test_a_prompt_file_gives_the_prompts_holds_out_every_tenth_and_hands_the_answer_to_a_checker(tmp_path, rng):
+    """Issue 43, item 4: {"prompt", "answer"} lines; rollouts draw from nine in ten, evaluations from the rest, and
+    `exact` (or a user's function of three arguments) scores a response against its prompt's answer."""
+    n = rng.choice([2, 7, 10, 23, 40])
+    sums = [(rng.randrange(50), rng.randrange(50)) for _ in range(n)]
+    records = [{"prompt": f"{a}+{b}={' ' * i}", "answer": str(a + b)} for i, (a, b) in enumerate(sums)]
+    print("records", n)
+    task = load("exact", prompt_file(tmp_path / "p.jsonl", records))
+    held = {r["prompt"] for i, r in enumerate(records) if (i + 1) % 10 == 0} or {records[-1]["prompt"]}
+    drawn = {task.prompt(random.Random(i)) for i in range(400)}
+    assert drawn == {r["prompt"] for r in records} - held  # every training prompt, and none held out
+    assert {task.held_out(random.Random(i)) for i in range(200)} == held
+    assert [task.prompt(random.Random(5)) for _ in range(3)] == [task.prompt(random.Random(5))] * 3  # seeded
+    record = rng.choice(records)
+    assert score_all(task, [record["prompt"]] * 3, [record["answer"], f" {record['answer']} \nmore", "x"]) == [1, 1, 0]
+
+    user = tmp_path / "checker.py"
+    user.write_text("def close(prompt, response, answer):\n    return -abs(float(response or 0) - float(answer))\n")
+    mine = load(f"{user}:close", str(tmp_path / "p.jsonl"))
+    assert score_all(mine, [record["prompt"]], [str(int(record["answer"]) + 2)]) == [-2.0]
+    assert load("digits", str(tmp_path / "p.jsonl")).score("x", "12") == 1.0  # a two-argument reward gets none
+
+
+@pytest.mark.parametrize(
+    "lines, said",
+    [
+        (['{"prompt": "a"}'], "holds 1 prompts: it needs two at least"),
+        (['{"prompt": "a"}', "{not json"], "line 2 is not JSON"),
+        (['{"prompt": "a"}', '{"text": "b"}'], 'line 2: a record is {"prompt"'),
+        (['{"prompt": "a"}', '{"prompt": "b", "answer": [1]}'], "line 2: an answer is text or a number"),
+        (['{"prompt": "a"}', "", '{"prompt": "a"}'], "line 3 repeats the prompt of line 1"),
+    ],
+    ids=["one", "not-json", "no-prompt", "answer-list", "repeated"],
+)
+def test_a_prompt_file_that_is_not_one_is_refused_naming_its_line(tmp_path, lines, said):
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        load("digits", prompt_file(tmp_path / "bad.jsonl", lines))
+
+
+def test_a_checker_needs_answers_and_a_prompt_file(tmp_path):
+    with pytest.raises(ConfigError, match="give a prompt file of answers"):
+        load("exact")
+    path = prompt_file(tmp_path / "p.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b"}])
+    with pytest.raises(ConfigError, match="record 2 has none"):
+        load("exact", path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load("digits", str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="ppo.prompts are a PPO run's"):
+        load_config("tiny", [f"ppo.prompts={path}"])

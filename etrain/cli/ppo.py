@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from etrain.cli.jobs import from_base
 from etrain.cli.options import add_base, add_config, add_progress, command
 
@@ -14,6 +16,7 @@ def add_command(sub) -> None:
         "align a trained model to a reward with PPO (LoRA by default); resume with etrain train",
         "etrain ppo --from runs/base --reward brackets --set train.steps=100",
         "etrain ppo --from runs/base --reward my_reward.py:score --set finetune.method=full --set optim.lr=1e-4",
+        "etrain ppo --from runs/base --reward exact --prompts sums.jsonl --set train.steps=200",
     )
     add_config(p)
     add_base(p, "the policy's starting point and the frozen reference")
@@ -21,7 +24,14 @@ def add_command(sub) -> None:
         "--reward",
         required=True,
         metavar="NAME_OR_FILE.py:function",
-        help="a built-in task (digits, brackets, length) or a function (prompt, response) -> float",
+        help="a built-in task (digits, brackets, length; exact: the answer of --prompts) or a function (prompt, "
+        "response) -> float, or (prompt, response, answer) with --prompts",
+    )
+    p.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help='the prompts, {"prompt": ..., "answer": ...} a line (local or a URI); every tenth is held out for '
+        "evaluations (default: the reward task's own)",
     )
     add_progress(p)
 
@@ -29,5 +39,7 @@ def add_command(sub) -> None:
 def cmd_ppo(args, started_at: float) -> int:
     from etrain.core.rewards import load, resolve
 
-    reward = load(resolve(args.reward)).name  # a reward that cannot be loaded: refused first, in one line
-    return from_base(args, args.source, args.set, started_at, {"ppo.reward": reward})
+    prompts = args.prompts if args.prompts is None or "://" in args.prompts else str(Path(args.prompts).resolve())
+    reward = load(resolve(args.reward), prompts).name  # a reward or prompts that cannot be loaded: refused first
+    then = {"ppo.reward": reward} | ({"ppo.prompts": prompts} if prompts else {})
+    return from_base(args, args.source, args.set, started_at, then)

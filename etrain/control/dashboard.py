@@ -119,7 +119,8 @@ class Dashboard:
         self._set("replicas", self.parallel.replicas(r["world_size"]))
         if r.get("grad_norm") is not None and r["grad_norm"] == r["grad_norm"]:  # NaN has no bucket
             self.grad_norms.observe(r["grad_norm"], tags=self.tags)
-            self.grad_norm_total.inc(r["grad_norm"], tags=self.tags)
+            if r["grad_norm"] > 0:  # Ray's counters refuse a zero increment (a PPO step whose scores were all alike)
+                self.grad_norm_total.inc(r["grad_norm"], tags=self.tags)
         if "compute_s" in r:  # a step with every member's result (not parameter-server mode)
             for part in STEP_PARTS:
                 self._set("step_seconds", r.get(f"{part}_s"), self.step_seconds, part=part)

@@ -32,8 +32,8 @@ class Reference:
 
 
 class Rewarder:
-    def __init__(self, spec: str):
-        self.task = load(spec)
+    def __init__(self, spec: str, prompts: str | None):
+        self.task = load(spec, prompts)
 
     def score(self, prompts: list[str], responses: list[str]) -> list[float]:
         return score_all(self.task, prompts, responses)
@@ -44,7 +44,7 @@ def start(cfg: Config) -> tuple:
     the rewarder's own start (a process, torch, the user's module) must not count against the first call."""
     again = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": -1}
     reference = ray.remote(Reference).options(**again).remote(cfg.model_dump())
-    rewarder = ray.remote(Rewarder).options(**again).remote(cfg.ppo.reward)
+    rewarder = ray.remote(Rewarder).options(**again).remote(cfg.ppo.reward, cfg.ppo.prompts)
     try:
         ray.get([reference.__ray_ready__.remote(), rewarder.__ray_ready__.remote()], timeout=cfg.timeouts.join_s)
     except ray.exceptions.GetTimeoutError:

@@ -3,11 +3,17 @@
 A task draws prompts from a seeded random source (so every rank and a resumed run draw the same ones) and scores a
 response to a prompt. The built-in scores lie in [-1, 1]. A user's function is named as FILE.py:function and takes
 (prompt, response) to a float; the file may also define `prompt(rng) -> str`, else the prompts are the digits task's.
+
+Or the prompts come from a file (ppo.prompts, JSON lines: {"prompt": ..., "answer": ...}): rollouts draw from its
+records, evaluations from the ones it holds out (every tenth), and a record's answer goes to a reward that takes a
+third argument, as the built-in `exact` does (a verifiable reward: the response's first line is the answer).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import json
 import math
 import random
 import time
@@ -16,8 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import fsspec
+
 from etrain.core.config import ConfigError
 from etrain.core.errors import Failure
+from etrain.core.storage import STORAGE_ERRORS, describe
 
 PAIRS = {"(": ")", "[": "]", "{": "}"}
 
@@ -27,6 +36,10 @@ class Task:
     name: str
     prompt: Callable[[random.Random], str]
     score: Callable[[str, str], float]
+    held_out: Callable[[random.Random], str] | None = None  # the evaluations' prompts, where they are others
+
+
+HELD_OUT_EVERY = 10  # a prompt file's records held out for evaluations: the 10th, the 20th... (its last if fewer)
 
 
 class RewardError(Failure):
@@ -129,11 +142,17 @@ def length(prompt: str, response: str) -> float:
     return max(-1.0, 1.0 - 2 * abs(got - target) / target)
 
 
+def exact(prompt: str, response: str, answer: str) -> float:
+    """1 when the response's first line, stripped, is the record's answer; else 0 (a verifiable reward)."""
+    return float(response.split("\n", 1)[0].strip() == str(answer).strip())
+
+
 TASKS = {
     "digits": Task("digits", _code_prompt, digits),
     "brackets": Task("brackets", _bracket_prompt, brackets),
     "length": Task("length", _length_prompt, length),
 }
+CHECKERS = {"exact": exact}  # rewards of a prompt file's answers: (prompt, response, answer)
 
 
 def resolve(spec: str) -> str:
@@ -143,13 +162,89 @@ def resolve(spec: str) -> str:
     return f"{Path(path).expanduser().resolve()}:{name}" if path.endswith(".py") else spec
 
 
-def load(spec: str) -> Task:
-    """A built-in task by name, or FILE.py:function; ConfigError naming what is wrong."""
+def load(spec: str, prompts: str | None = None) -> Task:
+    """A built-in task by name, or FILE.py:function, on its own prompts or a prompt file's (`prompts`); ConfigError
+    naming what is wrong."""
+    task = _load(spec)
+    if prompts is None:
+        if spec in CHECKERS:
+            raise ConfigError(f"reward {spec} checks each prompt's answer: give a prompt file of answers (--prompts)")
+        return task
+    records = read_prompts(prompts)
+    held = {i for i in range(len(records)) if (i + 1) % HELD_OUT_EVERY == 0} or {len(records) - 1}
+    answers = {r["prompt"]: r.get("answer") for r in records}
+    takes_answer = _takes_answer(task.score)
+    if takes_answer and (missing := [n for n, r in enumerate(records, 1) if "answer" not in r]):
+        raise ConfigError(f"reward {spec} checks answers, and ppo.prompts {prompts} record {missing[0]} has none")
+    # the record's answer goes with its prompt (prompts are unique in a file)
+    score = (lambda prompt, response: task.score(prompt, response, answers[prompt])) if takes_answer else task.score
+    return Task(
+        task.name,
+        _drawing([r for i, r in enumerate(records) if i not in held]),
+        score,
+        _drawing([r for i, r in enumerate(records) if i in held]),
+    )
+
+
+def _drawing(records: list[dict]) -> Callable[[random.Random], str]:
+    return lambda rng: rng.choice(records)["prompt"]
+
+
+def _takes_answer(score: Callable) -> bool:
+    """Whether a reward takes (prompt, response, answer)."""
+    try:
+        inspect.signature(score).bind("prompt", "response", "answer")
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): called as (prompt, response)
+        return False
+    return True
+
+
+def read_prompts(uri: str) -> list[dict]:
+    """A prompt file's records, local or at a URI: JSON lines of {"prompt": text, "answer": text or number}, at
+    least two (one is held out), no prompt twice; ConfigError naming the line that is not."""
+    try:
+        with fsspec.open(uri, "rt", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise ConfigError(f"ppo.prompts {uri} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"ppo.prompts {uri} is not UTF-8 text ({e})") from None
+    except STORAGE_ERRORS as e:
+        raise ConfigError(f"ppo.prompts {uri} cannot be read: {describe(e)}") from None
+    records, seen = [], {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"ppo.prompts {uri} line {n} is not JSON ({e})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+            raise ConfigError(f'ppo.prompts {uri} line {n}: a record is {{"prompt": "...", "answer": "..."}}')
+        if "answer" in record and not isinstance(record["answer"], str | int | float):
+            raise ConfigError(f"ppo.prompts {uri} line {n}: an answer is text or a number")
+        if record["prompt"] in seen:
+            raise ConfigError(f"ppo.prompts {uri} line {n} repeats the prompt of line {seen[record['prompt']]}")
+        seen[record["prompt"]] = n
+        records.append(record)
+    if len(records) < 2:
+        raise ConfigError(f"ppo.prompts {uri} holds {len(records)} prompts: it needs two at least (one is held out)")
+    return records
+
+
+def _load(spec: str) -> Task:
     if spec in TASKS:
         return TASKS[spec]
+    if spec in CHECKERS:
+        return Task(spec, _code_prompt, CHECKERS[spec])
     path, _, name = spec.rpartition(":")
     if not path.endswith(".py") or not name:
-        raise ConfigError(f"reward {spec!r}: name a built-in task ({', '.join(TASKS)}) or FILE.py:function")
+        raise ConfigError(
+            f"reward {spec!r}: name a built-in task ({', '.join(TASKS)}), a checker of --prompts' answers "
+            f"({', '.join(CHECKERS)}) or FILE.py:function"
+        )
     if not Path(path).is_file():
         raise ConfigError(f"reward {spec!r}: {path} does not exist")
     module_spec = importlib.util.spec_from_file_location(f"etrain_reward_{Path(path).stem}", path)

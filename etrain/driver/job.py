@@ -108,7 +108,7 @@ def check_inputs(cfg: Config) -> Config:
         from etrain.core import rewards
 
         responses = max(cfg.ppo.rollouts, cfg.ppo.eval_prompts)
-        rewards.probe(rewards.load(cfg.ppo.reward), responses, cfg.reward_timeout_s())
+        rewards.probe(rewards.load(cfg.ppo.reward, cfg.ppo.prompts), responses, cfg.reward_timeout_s())
         check_codec(cfg)
     if cfg.data.source != "embedded":
         check_data(cfg)

@@ -50,7 +50,7 @@ class Rollouts(DataParallel):
 
     def __init__(self, cfg: Config, device: torch.device):
         super().__init__(cfg, device)
-        self.task = rewards.load(cfg.ppo.reward)  # the prompts and their scores
+        self.task = rewards.load(cfg.ppo.reward, cfg.ppo.prompts)  # the prompts and their scores
         self.codec = tokenizer.for_run(cfg)  # ... in the model's tokens
 
     def step(
@@ -71,8 +71,10 @@ class Rollouts(DataParallel):
 
 def prompts_for(task: Task, seed: int, indices, stream: str = "train") -> list[str]:
     """The prompts of these indices, from their own random stream: the evaluation's ("eval") is another draw than
-    the training's (a task with few distinct prompts repeats them in both)."""
-    return [task.prompt(random.Random(f"{stream}:{seed}:{i}")) for i in indices]
+    the training's (a task with few distinct prompts repeats them in both), of the held-out prompts where the task
+    has them (a prompt file's)."""
+    draw = task.held_out if stream == "eval" and task.held_out is not None else task.prompt
+    return [draw(random.Random(f"{stream}:{seed}:{i}")) for i in indices]
 
 
 def prompt_tokens(prompts: list[str], length: int, codec: Codec) -> torch.Tensor:

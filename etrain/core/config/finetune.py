@@ -79,7 +79,13 @@ class PPOConfig(Section):
     per-token KL penalty against the frozen base. See etrain/core/ppo.py."""
 
     reward: str | None = Field(
-        None, description="a built-in task (digits, brackets, length) or FILE.py:function; set by etrain ppo"
+        None, description="a built-in task (digits, brackets, length, exact) or FILE.py:function; set by etrain ppo"
+    )
+    prompts: str | None = Field(
+        None,
+        description='a JSON-lines file (local or a URI) of {"prompt": ..., "answer": ...} records the rollouts draw '
+        "from, every tenth held out for evaluations; a reward taking (prompt, response, answer) gets the answer; "
+        "set by etrain ppo --prompts",
     )
     prompt_len: int = Field(16, ge=1, description="prompts are cut or left-padded (with the separator) to this")
     response_len: int = Field(24, ge=1, description="tokens sampled per response (a separator ends one early)")

@@ -22,7 +22,7 @@ from etrain.core.config.parallel import BalanceConfig, CommConfig, ParallelConfi
 from etrain.core.config.training import OptimConfig, TrainConfig
 
 # Keys that came after runs were made, left out of a run's identity at their default (None)
-LATER = ("finetune.adapter", "finetune.adapter_digest")
+LATER = ("finetune.adapter", "finetune.adapter_digest", "ppo.prompts")
 # What a resume may change: how, where and how long a run goes on (and how gradients travel); never the
 # model, data or optimizer.
 RESUMABLE = (

@@ -117,6 +117,10 @@ def ppo_fits(cfg: Config) -> None:
     """A PPO run starts from a base, takes several updates from one rollout, and sizes its rollouts to its workers
     and its model."""
     if cfg.ppo.reward is None:
+        if cfg.ppo.prompts is not None:
+            raise ValueError(
+                "ppo.prompts are a PPO run's: start it with `etrain ppo --from RUN --reward ... --prompts`"
+            )
         return
     if cfg.finetune.base is None:
         raise ValueError("ppo.reward trains a trained model: start PPO runs with `etrain ppo --from RUN`")
