@@ -19,7 +19,7 @@ from etrain.core.layout_state import full_state, load_full, whole
 from etrain.core.local_ranks import local_group, rank_context
 from etrain.core.models import make_model
 from etrain.core.models.gpt.model import GPT
-from etrain.core.models.shared import InitialWeights
+from etrain.core.models.shared import InitialWeights, inputs_and_targets
 from etrain.core.optim import make_optimizer
 from etrain.core.parallel import Replica, make_mesh, stage_layers
 
@@ -28,9 +28,17 @@ OPTIM = OptimConfig(lr=3e-3, warmup_steps=0, grad_clip=0.5)
 STEPS, BATCH = 20, 8
 
 
-def batches() -> list[torch.Tensor]:
+def batches(masked: bool = False) -> list[torch.Tensor]:
+    """Random rows; `masked`: as chat data stores them, about half the positions context (-t - 1: no loss), some
+    rows context alone."""
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, MODEL.vocab_size, (BATCH, MODEL.seq_len + 1), generator=g) for _ in range(STEPS)]
+    rows = [torch.randint(0, MODEL.vocab_size, (BATCH, MODEL.seq_len + 1), generator=g) for _ in range(STEPS)]
+    if not masked:
+        return rows
+    context = [torch.rand(r.shape, generator=g) < 0.5 for r in rows]
+    for c in context:
+        c[torch.randint(0, BATCH, (2,), generator=g)] = True
+    return [torch.where(c, -r - 1, r) for r, c in zip(rows, context)]
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +46,15 @@ def single() -> tuple[list[float], dict]:
     return single_process(MODEL)
 
 
-def single_process(model_cfg: ModelConfig) -> tuple[list[float], dict]:
+def single_process(model_cfg: ModelConfig, masked: bool = False) -> tuple[list[float], dict]:
     """The whole model in this process: its per-step losses and its first step's clipped gradients."""
     torch.manual_seed(0)
     model = make_model(model_cfg)
     optimizer = make_optimizer(model, OPTIM)
     losses, first = [], {}
-    for rows in batches():
+    for rows in batches(masked):
         optimizer.zero_grad()
-        _, loss = model(rows[:, :-1], rows[:, 1:])
+        _, loss = model(*inputs_and_targets(rows))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
         first = first or {n: whole(p.grad) for n, p in model.named_parameters()}
@@ -63,6 +71,7 @@ def train_rank(
     state: dict | str | None = None,
     save: bool | str = False,
     model_cfg: ModelConfig = MODEL,
+    masked: bool = False,
 ) -> tuple[list[float], dict, dict | None]:
     """Per-step losses, the first step's clipped gradients (whole tensors) and, with `save`, the whole state after
     the last step (on the replica's first rank), or with a directory every rank's tensors saved there with DCP, as
@@ -80,11 +89,11 @@ def train_rank(
     if isinstance(state, str):
         sharded_checkpoint.load(replica.model, optimizer, state, replica.tied)
     mine, replicas = cfg.place(rank).replica, cfg.replicas(world)
-    losses, first, every = [], {}, batches()
+    losses, first, every = [], {}, batches(masked)
     for i in steps:
         rows = every[i].chunk(replicas)[mine]
         optimizer.zero_grad()
-        losses.append(replica.forward_backward(rows[:, :-1], rows[:, 1:]))
+        losses.append(replica.forward_backward(*inputs_and_targets(rows)))
         replica.sync_and_clip(OPTIM.grad_clip)
         first = first or {n: whole(p.grad) for n, p in replica.model.named_parameters()}
         optimizer.step()
@@ -122,6 +131,33 @@ def test_a_layout_follows_the_single_process_losses_and_gradients(single, replic
             torch.testing.assert_close(grad, expected_grads[twin], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {name}")
             held.add(twin)
     assert held == set(expected_grads)  # every tensor of the model is held by some rank
+
+
+MASKED_LAYOUTS = {
+    "tp2": (1, dict(tp=2)),
+    "pp2-1f1b": (1, dict(pp=2, microbatches=4)),
+    "tp2xpp2": (1, dict(tp=2, pp=2, microbatches=2)),
+    "2-replicas-shard2": (2, dict(shard=2)),
+    "tp2xshard2": (1, dict(tp=2, shard=2)),
+}
+
+
+def test_chat_rows_train_the_answers_alone_alike_in_a_drawn_layout(rng):
+    """Chat data's loss (the answers alone, each row's mean) goes through a layout's forward, pipeline schedule and
+    sharded batch: the same losses and first gradients as one process, which differ from training on every token."""
+    drawn = rng.choice(sorted(MASKED_LAYOUTS))
+    print("masked rows in", drawn)
+    replicas, layout = MASKED_LAYOUTS[drawn]
+    expected_losses, expected_grads = single_process(MODEL, masked=True)
+    assert expected_losses != pytest.approx(single_process(MODEL)[0], rel=1e-3)
+    results = local_group(
+        replicas * ParallelConfig(**layout).ranks, train_rank, layout, range(STEPS), None, False, MODEL, True
+    )
+    for rank, (losses, grads, _) in results.items():
+        assert losses == pytest.approx(expected_losses, rel=1e-4), f"rank {rank}"
+        for name, grad in grads.items():
+            twin = "embed.weight" if name == "head.weight" else name
+            torch.testing.assert_close(grad, expected_grads[twin], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {name}")
 
 
 LLAMA = ModelConfig(family="llama", n_layer=4, n_head=4, n_kv_head=2, d_model=32, seq_len=16, vocab_size=64)

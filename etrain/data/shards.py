@@ -90,7 +90,9 @@ def write_manifest(
     splits: dict[str, list[dict]],
     source: dict,
     storage: dict | None = None,
+    targets: str | None = None,
 ) -> dict:
+    """`targets`: what a row's loss counts where not every token (chat data's "answers": etrain/data/chat.py)."""
     manifest = {
         "format": FORMAT,
         "tokenizer": tokenizer,
@@ -101,7 +103,7 @@ def write_manifest(
             name: {"samples": sum(s["samples"] for s in shards), "shards": shards} for name, shards in splits.items()
         },
         "source": source,
-    }
+    } | ({"targets": targets} if targets else {})
     with fsspec.open(posixpath.join(out, "manifest.json"), "w", **(storage or {})) as f:
         json.dump(manifest, f, indent=1)
     return manifest

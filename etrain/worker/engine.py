@@ -21,7 +21,7 @@ import torch
 
 from etrain.core.config import Config
 from etrain.core.finetune import build_model, load_trained_state, trained_state
-from etrain.core.models.shared import LanguageModel
+from etrain.core.models.shared import LanguageModel, inputs_and_targets
 from etrain.core.optim import as_optimizer_state, make_optimizer, make_scheduler, whole_groups
 from etrain.worker.compress import GradSync
 from etrain.worker.compute import train_on
@@ -166,7 +166,7 @@ class Engine:
         total = 0.0
         for chunk in rows.split(self.cfg.train.micro_batch):
             with self.autocast():
-                _, loss = self.model(chunk[:, :-1], chunk[:, 1:])
+                _, loss = self.model(*inputs_and_targets(chunk))
             total += loss.item() * len(chunk)
         return total, len(rows)
 
@@ -238,7 +238,7 @@ class Engine:
             with nullcontext() if i == len(chunks) - 1 else quiet():
                 forward_started = time.perf_counter()
                 with self.autocast():
-                    _, loss = module(chunk[:, :-1], chunk[:, 1:])
+                    _, loss = module(*inputs_and_targets(chunk))
                 if injected.slowdown > 1:  # an injected straggler: backward costs about twice the forward
                     time.sleep((injected.slowdown - 1) * 3 * (time.perf_counter() - forward_started))
                 if injected.poisoned:  # an injected NaN or spike (fault kinds "nan", "spike")

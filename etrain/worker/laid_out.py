@@ -21,7 +21,7 @@ from etrain.core.checkpoint import DCP
 from etrain.core.finetune import base_source
 from etrain.core.layout_state import load_full, load_local, local_state
 from etrain.core.models import make_model
-from etrain.core.models.shared import InitialWeights, LanguageModel
+from etrain.core.models.shared import InitialWeights, LanguageModel, inputs_and_targets
 from etrain.core.optim import by_name, make_optimizer, make_scheduler, whole_groups
 from etrain.core.parallel import Replica, ReplicaBroken, make_mesh
 from etrain.worker.engine import Engine, snapshot
@@ -104,7 +104,7 @@ class LaidOut(Engine):
         try:
             with self.autocast():
                 loss = self.replica.forward_backward(
-                    rows[:, :-1], rows[:, 1:], len(rows) / global_batch, self.cfg.train.micro_batch
+                    *inputs_and_targets(rows), len(rows) / global_batch, self.cfg.train.micro_batch
                 )
         except ReplicaBroken as e:
             self._exit_if_others_go_on(e)
@@ -124,7 +124,7 @@ class LaidOut(Engine):
     def evaluate(self, rows: torch.Tensor) -> tuple[float, int]:
         """Every rank of the replica runs it; the replica's first rank answers."""
         with self.autocast():
-            mean = self.replica.evaluate(rows[:, :-1], rows[:, 1:], self.cfg.train.micro_batch)
+            mean = self.replica.evaluate(*inputs_and_targets(rows), self.cfg.train.micro_batch)
         first = self.replica.at.place == (0, 0, 0)
         return (mean * len(rows), len(rows)) if first else (0.0, 0)
 

@@ -183,6 +183,22 @@ def sample(
     return x
 
 
+IGNORED = -100  # a target the loss skips (F.cross_entropy's ignore_index)
+
+
+def inputs_and_targets(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of seq_len + 1 tokens as inputs and the shifted targets. Chat data (etrain/data/chat.py) stores a token
+    the loss does not predict as `-t - 1`: its input is `t`, its target IGNORED. Pre-training rows have none."""
+    x, y = rows[:, :-1], rows[:, 1:]
+    return torch.where(x < 0, -x - 1, x), torch.where(y < 0, IGNORED, y)
+
+
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every position, in fp32 whatever the logits' precision."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """The mean over rows of each row's mean cross-entropy on its targets (every position, or a chat row's answers;
+    a row with none counts 0), in fp32 whatever the logits' precision. Per row, so that how rows are split across
+    workers and micro-batches does not change what a step learns."""
+    per_token = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORED, reduction="none"
+    ).view(targets.shape)
+    counted = (targets != IGNORED).sum(1).clamp(min=1)
+    return (per_token.sum(1) / counted).mean()
