@@ -14,7 +14,8 @@ import torch
 from etrain.core.models.shared import IGNORED, inputs_and_targets, next_token_loss
 from etrain.data import chat
 from etrain.data.shards import ShardReader
-from tests.helpers import chat as fixtures
+
+from helpers import chat as fixtures
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +26,8 @@ def tok():
 @pytest.mark.parametrize("template", sorted(fixtures.TEMPLATES))
 def test_the_targets_are_the_answers_and_their_end_of_turn_and_nothing_else(template, tok, tmp_path, rng):
     """For drawn conversations, in both templates and both places a template is kept: the tokens the loss counts
-    decode to the assistant's messages, each with the template's end of turn (and what the template writes after it), in order; all the tokens decode to
-    the rendered conversation."""
+    decode to the assistant's messages, each with the template's end of turn (and what the template writes after
+    it), in order; all the tokens decode to the rendered conversation."""
     draw = random.Random(rng.randrange(2**31))
     for where in ("config", "jinja"):
         directory = fixtures.model_dir(tmp_path / where / template, template, where, tok)
@@ -124,7 +125,8 @@ def test_a_conversation_longer_than_a_row_is_refused_by_its_record_number(tmp_pa
     lines[long_at] = json.dumps({"prompt": "the cat " * 40, "completion": "sat"})
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(lines))
-    with pytest.raises(chat.ChatError, match=rf"1 of 5 conversations do not fit a row of 97 .*: record {long_at + 1} \("):
+    refusal = rf"1 of 5 conversations do not fit a row of 97 .*: record {long_at + 1} \("
+    with pytest.raises(chat.ChatError, match=refusal):
         chat.prepare_chat(str(data), str(fixtures.model_dir(tmp_path / "m", "chatml")), 96, str(tmp_path / "o"), 0.2)
 
 
@@ -146,7 +148,8 @@ def test_prepared_chat_packs_whole_conversations_holds_some_out_and_reads_back(t
     for split, ids in (("train", [i for i in range(len(conversations)) if i not in held]), ("eval", held)):
         reader = ShardReader(str(tmp_path / "out" / "manifest.json"), split)
         rows = reader.get(np.arange(len(reader)))
-        pad = -chat.read_file(str(directory)).eos - 1  # the model's end of text fills a row's end only: the conversations' tokens are the rest, in order
+        # the model's end of text fills a row's end only: the conversations' tokens are the rest, in order
+        pad = -chat.read_file(str(directory)).eos - 1
         stream = [v for row in rows for v in np.trim_zeros(row - pad, "b") + pad]
         assert stream == [v for i in ids for v in expected[i].tolist()]
         assert all(row[0] != pad for row in rows)  # no empty row
@@ -178,3 +181,46 @@ def test_the_loss_is_each_rows_mean_over_its_answers_and_a_row_without_any_count
     torch.testing.assert_close(sum(parts), next_token_loss(logits, masked))
     # Pre-training rows (no context marked): the plain mean over every position.
     torch.testing.assert_close(next_token_loss(logits, targets), per_token.mean())
+
+
+def test_chat_data_is_prepared_once_per_content_and_a_changed_file_gets_its_own(tmp_path, rng):
+    """`etrain finetune --data` prepares under run.root/chat-data/ by what the shards are made of: asked again, the
+    same directory, untouched; a changed file, template or seq_len, another one, the first left as it was."""
+    directory = fixtures.model_dir(tmp_path / "m", rng.choice(sorted(fixtures.TEMPLATES)))
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f"a{i}"}) + "\n" for i in range(8)))
+    root = str(tmp_path / "runs")
+    first = chat.prepared(str(data), str(directory), 64, 0.25, root)
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs" / "chat-data").rglob("*")}
+    assert chat.prepared(str(data), str(directory), 64, 0.25, root) == first
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "runs" / "chat-data").rglob("*")} == stamps
+    assert chat.prepared(str(data), str(directory), 96, 0.25, root) != first
+    data.write_text(data.read_text() + json.dumps({"prompt": "q", "completion": "a"}) + "\n")
+    changed = chat.prepared(str(data), str(directory), 64, 0.25, root)
+    assert changed != first and json.loads(open(first).read())["splits"]["train"]["samples"] >= 1
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "runs" / "chat-data").rglob("*") if p in stamps} == stamps
+
+
+def test_finetune_data_refusals_name_the_problem_and_leave_no_run_behind(tmp_path, capsys):
+    """A bad record is refused before Ray starts (exit 2), named by its line, and no run directory is left."""
+    from etrain.cli import main
+
+    directory = fixtures.model_dir(tmp_path / "m", "chatml")
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n{broken\n")
+    llama = ["model.family=llama", "model.vocab_size=320", "model.n_kv_head=2", "model.seq_len=64"]
+    _write_hf_model(directory, llama)
+    sets = [x for s in [f"run.root={tmp_path / 'runs'}"] for x in ("--set", s)]
+    assert main(["finetune", "--from", str(directory), "--data", str(data), *sets, "--no-progress"]) == 2
+    assert "line 2: " in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() or not [p for p in (tmp_path / "runs").iterdir() if p.name != "chat-data"]
+
+
+def _write_hf_model(directory, overrides: list[str]) -> None:
+    """Our tiny model of `overrides` written as a Hugging Face directory beside the tokenizer already there."""
+    from etrain.core import hf
+    from etrain.core.config import load_config
+    from etrain.core.models import make_model
+
+    cfg = load_config("tiny", overrides)
+    hf.write(make_model(cfg.model).state_dict(), cfg.model, directory)

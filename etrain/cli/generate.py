@@ -16,9 +16,15 @@ def add_command(sub) -> None:
         "continue a prompt with a trained model: a run, a checkpoint or a Hugging Face directory (KV cache)",
         'etrain generate runs/tiny --prompt "def main():" --max-new-tokens 64',
         'etrain generate models/llama-hf --prompt "Once upon a time" --temperature 0.8 --top-p 0.95 --seed 1',
+        'etrain generate runs/sft --chat --prompt "What is two plus three?"',
     )
     p.add_argument("source", metavar="RUN_OR_DIR", help="a run directory, a checkpoint, or a Hugging Face directory")
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user's message, rendered with the model's chat template; prints the answer alone",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: the likeliest token each time (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="draw within the tokens holding this much probability")
@@ -41,7 +47,19 @@ def cmd_generate(args, started_at: float) -> int:
     loaded = load(args.source, device)
     print(f"model: {loaded.source}", file=sys.stderr)
     codec = loaded.codec
-    prompt = codec.encode(args.prompt)
+    prompt = _chat_prompt(loaded, args.prompt) if args.chat else codec.encode(args.prompt)
     tokens = generate(loaded.model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, codec.eos)
-    print(args.prompt + codec.decode(tokens))
+    print(codec.decode(tokens) if args.chat else args.prompt + codec.decode(tokens))
     return 0
+
+
+def _chat_prompt(loaded, message: str) -> list[int]:
+    """`message` as the user's turn of a conversation, with the template's generation prompt after it."""
+    from etrain.core.config import ConfigError
+    from etrain.data import chat, tokenizer
+
+    if loaded.tokenizer_dir is None:
+        raise ConfigError(f"--chat needs a chat template, and {loaded.source} was trained on bytes: it has none")
+    template = chat.read_template(loaded.tokenizer_dir)
+    text = template.render([{"role": "user", "content": message}], add_generation_prompt=True)
+    return tokenizer.read_file(loaded.tokenizer_dir).tokenizer.encode(text, add_special_tokens=False).ids

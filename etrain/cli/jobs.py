@@ -11,17 +11,44 @@ from etrain.cli.logs import logging_to
 
 
 def from_base(
-    args, source: str, overrides: list[str], started_at: float, then: dict | None = None, adapter: str | None = None
+    args,
+    source: str,
+    overrides: list[str],
+    started_at: float,
+    then: dict | None = None,
+    adapter: str | None = None,
+    chat: str | None = None,
 ) -> int:
     """A new run from the weights at `source` (a run, a checkpoint or a Hugging Face directory), its LoRA adapters
-    from `adapter` (a PEFT directory) where given; `then`: keys set once the base is known (PPO's reward, which the
-    config accepts only with a base)."""
+    from `adapter` (a PEFT directory) where given, trained on the chat records in `chat` where given; `then`: keys
+    set once the base is known (PPO's reward, which the config accepts only with a base)."""
     from etrain.core.config import override
     from etrain.core.finetune import finetune_config
 
     cfg = override(finetune_config(source, args.config, overrides, adapter), then or {})
+    if chat is not None:
+        cfg = override(cfg, {"data.source": chat_source(cfg, chat)})
     print(f"base: {cfg.finetune.base}" + "".join(f"; {k}: {v}" for k, v in (then or {}).items()), file=sys.stderr)
     return train_job(args, cfg, None, started_at)
+
+
+def chat_source(cfg, data: str) -> str:
+    """The prepared manifest of the chat records at `data`, rendered with the base's tokenizer and template."""
+    from etrain.core import hf
+    from etrain.core.config import ConfigError
+    from etrain.data import chat
+
+    if not hf.is_model_dir(cfg.finetune.base):
+        raise ConfigError(
+            f"--data renders chat records with the base's chat template and tokenizer: --from a Hugging Face "
+            f"directory that has them (the base {cfg.finetune.base} is a run)"
+        )
+    local = "://" not in data
+    data = str(Path(data).expanduser().resolve()) if local else data
+    root = str(Path(cfg.run.root).expanduser().resolve())
+    manifest = chat.prepared(data, cfg.finetune.base, cfg.model.seq_len, cfg.data.eval_fraction, root)
+    print(f"chat data: {manifest}", file=sys.stderr)
+    return manifest
 
 
 def train_job(args, cfg, run_dir: Path | None, started_at: float) -> int:

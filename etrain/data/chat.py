@@ -92,7 +92,8 @@ class Template:
         from jinja2.exceptions import TemplateError
 
         try:
-            return _compiled(self.text).render(messages=messages, add_generation_prompt=add_generation_prompt, **self.specials)
+            compiled = _compiled(self.text)
+            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.specials)
         except TemplateError as e:
             raise ChatError(f"chat template {self.source} fails to render: {e}") from None
 
@@ -215,8 +216,11 @@ def prepare_chat(data: str, model_dir: str, seq_len: int, out: str, eval_fractio
         writer.add(rows, [[f"{data}#{ids[j] + 1}" for j in row] for row in members])
         writer.flush()
         splits[split] = writer.shards
-    with fsspec.open(posixpath.join(out, FILE), "w") as f:
-        f.write(tok.text)
+    specials = json.dumps(template.specials)
+    kept = {FILE: tok.text, "chat_template.jinja": template.text, "tokenizer_config.json": specials}
+    for name, text in kept.items():  # what a run on these shards generates with: its tokenizer, template, specials
+        with fsspec.open(posixpath.join(out, name), "w") as f:
+            f.write(text)
     return write_manifest(
         out,
         seq_len=seq_len,
@@ -227,3 +231,22 @@ def prepare_chat(data: str, model_dir: str, seq_len: int, out: str, eval_fractio
         source={"chat": data, "template": template.source, "template_sha256": template.sha256()},
         targets=TARGETS,
     )
+
+
+def prepared(data: str, model_dir: str, seq_len: int, eval_fraction: float, root: str) -> str:
+    """The manifest of `data` prepared for this model (its tokenizer and template, seq_len, held-out share) under
+    `root`/chat-data/, named by what it was made from: made once, reused by every run that asks the same, and a
+    changed file is a new directory (nothing prepared before is overwritten)."""
+    fs, _ = fsspec.core.url_to_fs(data)
+    try:
+        content = fs.cat_file(data)
+    except FileNotFoundError:
+        raise ChatError(f"chat data {data} not found") from None
+    tok, template = read_file(model_dir), read_template(model_dir)
+    made_of = [hashlib.sha256(content).hexdigest(), tok.sha256, template.sha256(), str(seq_len), repr(eval_fraction)]
+    name = f"{posixpath.basename(data).rsplit('.', 1)[0]}-{hashlib.sha256(' '.join(made_of).encode()).hexdigest()[:12]}"
+    out = posixpath.join(root, "chat-data", name)
+    manifest = posixpath.join(out, "manifest.json")
+    if not fsspec.core.url_to_fs(manifest)[0].isfile(manifest):
+        prepare_chat(data, model_dir, seq_len, out, eval_fraction)
+    return manifest

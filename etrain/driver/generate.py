@@ -3,6 +3,7 @@ Face directory) with a KV cache, on CPU or one GPU, decoded with the tokenizer i
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ class Loaded:
     model: LanguageModel
     codec: tokenizer.Codec
     source: str  # what the weights came from
+    tokenizer_dir: str | None = None  # where its tokenizer and chat template are kept (None: bytes)
 
 
 def load(source: str, device: torch.device) -> Loaded:
@@ -34,12 +36,14 @@ def load(source: str, device: torch.device) -> Loaded:
         hf.check_against(weights, {name: t.shape for name, t in model.state_dict().items()}, source)
         model.load_state_dict(hf.read_weights(source))
         _finite(model, lambda name: "{} in {}".format(*reversed(weights.where(name))))
-        return Loaded(model.to(device).eval(), _codec(lambda: tokenizer.file_codec(source)), source)
+        return Loaded(model.to(device).eval(), _codec(lambda: tokenizer.file_codec(source)), source, source)
     cfg, ckpt = _run_checkpoint(source)
     model = build_model(cfg)
     load_trained_state(model, checkpoint.model_weights(ckpt.parts))
     _finite(model, lambda name: f"{name} of {ckpt.path}")
-    return Loaded(model.to(device).eval(), _codec(lambda: tokenizer.for_run(cfg)), ckpt.path)
+    codec = _codec(lambda: tokenizer.for_run(cfg))
+    kept = None if codec.name == tokenizer.BYTES else posixpath.dirname(codec.name)
+    return Loaded(model.to(device).eval(), codec, ckpt.path, kept)
 
 
 def _finite(model: LanguageModel, named: Callable[[str], str]) -> None:
