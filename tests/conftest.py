@@ -74,7 +74,7 @@ def s3_bucket(s3_server, request) -> str:
     return f"s3://{name}"
 
 
-E2E = ("test_cluster_e2e.py", "test_notebooks.py", "test_wheel.py")
+E2E = ("test_cluster_e2e.py", "test_notebooks.py", "test_wheel.py", "test_real_model.py")
 
 
 def pytest_report_header(config) -> str:

@@ -16,6 +16,7 @@ line number rather than cut.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import posixpath
@@ -101,6 +102,7 @@ class Template:
         return hashlib.sha256(self.text.encode()).hexdigest()
 
 
+@functools.lru_cache(maxsize=8)
 def _compiled(text: str):
     """The template in Jinja's immutable sandbox, with transformers' options and its `raise_exception`."""
     from jinja2.exceptions import TemplateError
@@ -209,8 +211,8 @@ def prepare_chat(data: str, model_dir: str, seq_len: int, out: str, eval_fractio
     held = [i for i in range(len(encoded)) if i % every == every - 1] or [len(encoded) - 1]
     if len(held) == len(encoded):
         raise ChatError(f"chat data {data}: {len(encoded)} record(s) leave nothing to train on beside the held out")
-    splits = {}
-    for split, ids in (("train", [i for i in range(len(encoded)) if i not in set(held)]), ("eval", held)):
+    splits, out_of_train = {}, set(held)
+    for split, ids in (("train", [i for i in range(len(encoded)) if i not in out_of_train]), ("eval", held)):
         writer = SplitWriter(out, split, row_len, DTYPE, 128 << 20)
         rows, members = pack([encoded[i] for i in ids], row_len, tok.eos)
         writer.add(rows, [[f"{data}#{ids[j] + 1}" for j in row] for row in members])
