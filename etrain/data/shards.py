@@ -3,7 +3,9 @@
 A shard is a Parquet file with one column, `tokens`, of fixed-size binary: each
 row is one packed sequence of `seq_len + 1` tokens (inputs plus the shifted
 target) at the tokenizer's width (uint8 for bytes), uncompressed, so decoding
-is a zero-copy view. A second column, `sources`, names the documents each row
+is a zero-copy view. Chat data's rows (etrain/data/chat.py; the manifest's
+`targets` is "answers") are int32, a token the loss does not predict stored as
+-t - 1. A second column, `sources`, names the documents each row
 was packed from (`path#row`), so a bad sample found in training can be traced
 back; readers of tokens never load it.
 
