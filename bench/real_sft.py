@@ -36,6 +36,7 @@ from etrain.driver.generate import generate, load  # noqa: E402
 DATA = ROOT / "examples" / "data" / "pirate_chat.jsonl"
 GENERAL = ROOT / "docs" / "architecture.md"
 SEQ = 128
+EVAL_FRACTION = 0.1
 METHODS = {
     "full": ["finetune.method=full", "optim.lr=2e-5"],
     "lora": [
@@ -60,19 +61,16 @@ def general_rows(model_dir: Path) -> np.ndarray:
     return ids[: n * (SEQ + 1)].reshape(n, SEQ + 1)
 
 
-def voiced(loaded, manifest: str) -> tuple[int, int]:
+def voiced(loaded) -> tuple[int, int]:
     """Held-out questions whose greedy chat answer is in the trained voice (starts "Arr"), of all held out."""
     from etrain.data import chat
 
-    held = [json.loads(line) for line in DATA.read_text().splitlines()]
-    every = max(2, round(1 / 0.1))
-    questions = [held[i]["messages"][0]["content"] for i in range(len(held)) if i % every == every - 1]
-    template, tok = chat.read_template(str(loaded.tokenizer_dir)), chat.read_file(str(loaded.tokenizer_dir))
-    hits = 0
+    records = [json.loads(line) for line in DATA.read_text().splitlines()]
+    questions = [records[i]["messages"][0]["content"] for i in chat.held_out(len(records), EVAL_FRACTION)]
+    codec, hits = loaded.codec, 0
     for q in questions:
-        text = template.render([{"role": "user", "content": q}], add_generation_prompt=True)
-        tokens = generate(loaded.model, tok.tokenizer.encode(text, add_special_tokens=False).ids, 12, eos=tok.eos)
-        hits += tok.decode(tokens).strip().startswith("Arr")
+        tokens = generate(loaded.model, chat.prompt_tokens(loaded.tokenizer_dir, q), 12, eos=codec.eos)
+        hits += codec.decode(tokens).strip().startswith("Arr")
     return hits, len(questions)
 
 
@@ -86,7 +84,7 @@ def run(method: str, model_dir: Path, root: Path, steps: int, round_: int) -> di
         "train.eval_samples=1000",
         f"checkpoint.every={steps}",
         "optim.warmup_steps=2",
-        "data.eval_fraction=0.1",
+        f"data.eval_fraction={EVAL_FRACTION}",
         "cluster.num_workers=2",
         "cluster.warm_pool=0",
         f"run.root={root}",
@@ -103,7 +101,7 @@ def run(method: str, model_dir: Path, root: Path, steps: int, round_: int) -> di
     run_dir = root / f"{method}-{round_}"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = load(str(run_dir), torch.device("cpu"))
-    hits, asked = voiced(trained, manifest)
+    hits, asked = voiced(trained)
     return {
         "answer_loss": [r for r in records if r["kind"] == "eval"][-1]["eval_loss"],
         "general_loss": loss_on(trained.model, general_rows(model_dir)),
@@ -136,7 +134,7 @@ def main() -> int:
         before = {
             "answer_loss": loss_on(base.model, eval_rows.get(np.arange(len(eval_rows)))),
             "general_loss": loss_on(base.model, general_rows(model_dir)),
-            "voiced": voiced(base, manifest)[0],
+            "voiced": voiced(base)[0],
         }
     figures = {m: summary([{k: v for k, v in r.items() if k != "manifest"} for r in rs]) for m, rs in runs.items()}
     full, lora = (figures[m]["answer_loss"]["median"] for m in ("full", "lora"))

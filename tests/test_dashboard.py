@@ -7,6 +7,7 @@ midway so a scale event reaches the dashboard, and the report is drawn from its 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -131,8 +132,9 @@ def test_metrics_status_and_report_of_a_live_run(ray_session, make_cfg, capsys):
     count = int(values[("ray_etrain_grad_norm_distribution_count", "")])
     norms = all_norms[:count]
     total = values[("ray_etrain_grad_norms_total", "")]
-    prefixes = [sum(all_norms[:k]) for k in range(1, len(all_norms) + 1)]
-    assert any(math.isclose(total, p, rel_tol=1e-6) for p in prefixes), f"{total} is no sum of the first norms"
+    assert any(math.isclose(total, p, rel_tol=1e-6) for p in itertools.accumulate(all_norms)), (
+        f"{total} is no sum of the first norms"
+    )
     for le in ("0.5", "1.0", "3.0", "10.0"):
         assert values[("ray_etrain_grad_norm_distribution_bucket", le)] == sum(n <= float(le) for n in norms), le
     assert values[("ray_etrain_world_size", "")] == 2  # scraped after the scale-out was published

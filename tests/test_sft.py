@@ -51,7 +51,8 @@ def eval_loss(model, manifest: str) -> float:
     reader = ShardReader(manifest, "eval")
     rows = torch.from_numpy(reader.get(np.arange(len(reader))).astype(np.int64))
     with torch.no_grad():
-        return next_token_loss(model.logits(inputs_and_targets(rows)[0]), inputs_and_targets(rows)[1]).item()
+        x, y = inputs_and_targets(rows)
+        return next_token_loss(model.logits(x), y).item()
 
 
 @pytest.mark.usefixtures("ray_session")

@@ -54,12 +54,9 @@ def cmd_generate(args, started_at: float) -> int:
 
 
 def _chat_prompt(loaded, message: str) -> list[int]:
-    """`message` as the user's turn of a conversation, with the template's generation prompt after it."""
     from etrain.core.config import ConfigError
-    from etrain.data import chat, tokenizer
+    from etrain.data import chat
 
     if loaded.tokenizer_dir is None:
         raise ConfigError(f"--chat needs a chat template, and {loaded.source} was trained on bytes: it has none")
-    template = chat.read_template(loaded.tokenizer_dir)
-    text = template.render([{"role": "user", "content": message}], add_generation_prompt=True)
-    return tokenizer.read_file(loaded.tokenizer_dir).tokenizer.encode(text, add_special_tokens=False).ids
+    return chat.prompt_tokens(loaded.tokenizer_dir, message)

@@ -190,10 +190,30 @@ def pack(conversations: list[np.ndarray], row_len: int, pad: int) -> tuple[np.nd
     return np.array(rows, dtype=DTYPE).reshape(-1, row_len), members
 
 
-def prepare_chat(data: str, model_dir: str, seq_len: int, out: str, eval_fraction: float) -> dict:
-    """`data` (chat records) rendered with `model_dir`'s template and tokenizer into shards under `out`: every
-    k-th conversation held out for evaluation (k = 1 / eval_fraction, at least one). Returns the manifest."""
-    tok, template = read_file(model_dir), read_template(model_dir)
+def held_out(n: int, eval_fraction: float) -> list[int]:
+    """Which of `n` conversations are held out for evaluation: every k-th (k = 1 / eval_fraction), at least one."""
+    every = max(2, round(1 / eval_fraction)) if eval_fraction > 0 else n + 1
+    return [i for i in range(n) if i % every == every - 1] or [n - 1]
+
+
+def prompt_tokens(directory: str, message: str) -> list[int]:
+    """`message` as a user's turn, with the template's generation prompt after it: what a chat answer follows."""
+    text = read_template(directory).render([{"role": "user", "content": message}], add_generation_prompt=True)
+    return read_file(directory).tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def prepare_chat(
+    data: str,
+    model_dir: str,
+    seq_len: int,
+    out: str,
+    eval_fraction: float,
+    tok: TokenizerFile | None = None,
+    template: Template | None = None,
+) -> dict:
+    """`data` (chat records) rendered with `model_dir`'s template and tokenizer (`tok` and `template` where already
+    read) into shards under `out`, the conversations `held_out` for evaluation. Returns the manifest."""
+    tok, template = tok or read_file(model_dir), template or read_template(model_dir)
     conversations = read_records(data)
     encoded = [encode(tok, *answer_spans(template, messages)) for messages in conversations]
     row_len = seq_len + 1
@@ -207,8 +227,7 @@ def prepare_chat(data: str, model_dir: str, seq_len: int, out: str, eval_fractio
         )
     if not any((t >= 0).any() for t in encoded):
         raise ChatError(f"chat data {data}: no answer renders to a token; check the template {template.source}")
-    every = max(2, round(1 / eval_fraction)) if eval_fraction > 0 else len(encoded) + 1
-    held = [i for i in range(len(encoded)) if i % every == every - 1] or [len(encoded) - 1]
+    held = held_out(len(encoded), eval_fraction)
     if len(held) == len(encoded):
         raise ChatError(f"chat data {data}: {len(encoded)} record(s) leave nothing to train on beside the held out")
     splits, out_of_train = {}, set(held)
@@ -250,5 +269,5 @@ def prepared(data: str, model_dir: str, seq_len: int, eval_fraction: float, root
     out = posixpath.join(root, "chat-data", name)
     manifest = posixpath.join(out, "manifest.json")
     if not fsspec.core.url_to_fs(manifest)[0].isfile(manifest):
-        prepare_chat(data, model_dir, seq_len, out, eval_fraction)
+        prepare_chat(data, model_dir, seq_len, out, eval_fraction, tok, template)
     return manifest
