@@ -83,7 +83,7 @@ SECTIONS = {  # each top-level section: what it is for, and the page that explai
     "[On a cluster](../cluster.md)",
     "parallel": "A replica's tensor, pipeline and sharded layout: see [Model parallelism](../parallelism.md)",
     "finetune": "A base and LoRA: see [Fine-tuning](../finetuning.md)",
-    "ppo": "See [PPO](../finetuning.md#ppo)",
+    "ppo": "See [PPO](../finetuning.md#ppo) and [GRPO](../finetuning.md#grpo)",
     "timeouts": "The one nested timeout hierarchy: where torch would wait 30 minutes by default, a dead or hung "
     "peer becomes an error within these bounds; the config refuses timeouts that do not nest",
     "health": "Predictive maintenance: see [Node health](../elastic.md#node-health-predictive-maintenance)",
@@ -170,7 +170,8 @@ FIELD_TEXT = {  # record fields with no comment in records.py
 RECORD_MORE = {  # what a kind carries beyond its dataclass's fields
     "train": "Parameter-server mode adds `pushes`, `max_staleness`, `mean_staleness` and `version`; a PPO step adds "
     "`reward`, `kl`, `kl_coef` (the β the step applied), `kl_base`, `clip_fraction`, `entropy`, `value_loss`, "
-    "`policy_loss` and `response_len` ([PPO](../finetuning.md#ppo)).",
+    "`policy_loss` and `response_len` ([PPO](../finetuning.md#ppo)); a GRPO step `kl_loss` in place of `value_loss` "
+    "([GRPO](../finetuning.md#grpo)).",
     "start": "Not in parameter-server mode.",
 }
 

@@ -52,6 +52,9 @@ def test_override_sets_typed_value():
         ("faults=[{rank: 0, step: 1, kind: link}]", "a link fault needs `gbps`"),
         ("faults=[{rank: 0, step: 1, kind: kill, gbps: 1}]", "`gbps` applies to link faults, not kill"),
         ("faults=[{rank: 0, step: 1, kind: link, gbps: 0}]", "config key 'faults.0.gbps'"),
+        ("ppo.algorithm=grpo", "set ppo.group to 2 or more"),  # issue 43: GRPO's groups
+        ("ppo.algorithm=grpo ppo.group=5", "ppo.rollouts=32 is not a multiple of ppo.group=5"),
+        ("ppo.algorithm=gspo", "config key 'ppo.algorithm'"),
     ],
 )
 def test_bad_override_names_key_and_problem(override, expected):

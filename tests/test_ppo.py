@@ -1,10 +1,16 @@
-"""PPO's objective (etrain/core/ppo.py) against the formulas written out longhand, on small hand-made rollouts."""
+"""PPO's and GRPO's objectives (etrain/core/ppo.py, grpo.py) against the formulas written out longhand, on small
+hand-made rollouts; a step's responses split over the workers in whole groups."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
+from etrain.control.ppo_step import groups_split
+from etrain.core.grpo import group_advantages, kl_penalty
 from etrain.core.ppo import AdaptiveKL, boosted, entropy, gae, moments, policy_loss, token_rewards, value_loss, whiten
 from etrain.data import tokenizer
 
@@ -108,3 +114,52 @@ def test_rollouts_speak_the_runs_tokenizer_not_bytes(tmp_path):
     mask = response_mask(responses, codec.eos)
     assert mask.sum() == len(answer) + 1
     assert response_texts(responses, mask, codec) == [" 5678; y"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_grpo_advantages_are_each_score_against_its_groups_mean_and_spread(seed):
+    """Issue 43, item 4: the advantage of a response is (score - mean) / std over its prompt's group alone."""
+    gen = torch.Generator().manual_seed(seed)
+    group = int(torch.randint(2, 9, (), generator=gen))
+    print(f"seed {seed}: group {group}")
+    scores = torch.randn(group * 5, generator=gen)
+    scores[:group] = 0.5  # a group whose responses all scored alike teaches nothing
+    advantages = group_advantages(scores, group)
+    assert advantages[:group].abs().max() == 0
+    for g in range(1, 5):
+        own = scores[g * group : (g + 1) * group].tolist()
+        mean = sum(own) / group
+        std = (sum((x - mean) ** 2 for x in own) / (group - 1)) ** 0.5
+        for i, x in enumerate(own):
+            assert advantages[g * group + i].item() == pytest.approx((x - mean) / (std + 1e-4), rel=1e-5)
+
+
+def test_grpo_kl_penalty_is_k3_never_negative_and_zero_with_zero_gradient_at_the_reference():
+    gen = torch.Generator().manual_seed(3)
+    ref = torch.randn(2, 4, generator=gen)
+    logp = (ref + torch.randn(2, 4, generator=gen)).requires_grad_()
+    value = kl_penalty(logp, ref, MASK)
+    d = (ref - logp.detach()) * MASK
+    assert value.item() == pytest.approx(((d.exp() - d - 1) * MASK).sum().item() / MASK.sum().item(), rel=1e-6)
+    assert value.item() > 0
+    at_ref = ref.clone().requires_grad_()
+    same = kl_penalty(at_ref, ref, MASK)
+    same.backward()
+    assert same.item() == 0 and at_ref.grad.abs().max() == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_steps_responses_go_to_the_workers_in_whole_groups_each_once(seed):
+    rng = random.Random(seed)
+    group, workers = rng.randint(1, 8), rng.randint(1, 6)
+    count = group * rng.randint(workers, 12)
+    cursor = group * rng.randint(0, 50)
+    print(f"seed {seed}: group {group}, workers {workers}, count {count}, cursor {cursor}")
+    shares = groups_split(cursor, count, group, workers)
+    assert len(shares) == workers and all(len(s) and len(s) % group == 0 for s in shares)
+    assert sorted(np.concatenate(shares).tolist()) == list(range(cursor, cursor + count))
+    for share in shares:  # each worker's prompts: whole groups of one prompt each
+        prompts = share // group
+        assert all((prompts[i : i + group] == prompts[i]).all() for i in range(0, len(share), group))
+    with pytest.raises(ValueError, match="ppo.group"):
+        groups_split(2 * cursor + 1, 2 * count, 2, workers)  # a cursor inside a group

@@ -7,14 +7,18 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from etrain.cli import main
 from etrain.control.control import JobError
+from etrain.core import checkpoint
 from etrain.core.config import override
 from etrain.core.finetune import finetune_config
+from etrain.data.reward_model import RewardModel
 from etrain.driver.job import new_run_dir, train
 from etrain.driver.report import write_report
 
+from helpers.reward_model import reward_dir, theirs
 from helpers.runs import etrain_lines, records, run
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -199,3 +203,64 @@ def test_ppo_draws_its_prompts_from_a_file_and_hands_each_answer_to_the_checker(
     assert scored <= {r["prompt"] for r in rows} and scored & held and scored - held
     evals = records(base_run.parent / "ppo-prompts", "eval")
     assert [e["step"] for e in evals] == [0, 2] and all(0 <= e["eval_reward"] <= 1 for e in evals)
+
+
+GRPO = ["ppo.algorithm=grpo", "ppo.group=4"]
+
+
+@pytest.fixture(scope="module")
+def grpo_reference(base_run) -> Path:
+    cfg = ppo_config(base_run, "run.name=grpo", *GRPO)
+    train(cfg, run_dir := new_run_dir(cfg), progress=False)
+    return run_dir
+
+
+def test_grpo_raises_the_held_out_reward_with_no_value_head(grpo_reference):
+    """Issue 43, item 4: GRPO's step (4 responses a prompt, advantages within each group, the KL in the loss) raises
+    the held-out reward as PPO's does (the same bound, the same spread: 64 prompts), trains no value head, and its
+    records carry GRPO's loss parts: the KL term (k3, never negative) in place of the value loss."""
+    evals, steps = records(grpo_reference, "eval"), records(grpo_reference, "train")
+    assert [e["step"] for e in evals] == [0, 8, 16]
+    assert evals[-1]["eval_reward"] - evals[0]["eval_reward"] > 0.3, evals
+    assert all("value_loss" not in r and r["kl_loss"] >= 0 and "policy_loss" in r for r in steps)
+    state = checkpoint.model_weights(checkpoint.load_latest(str(grpo_reference / "checkpoints")).parts)
+    assert any("lora_a" in k for k in state) and not any(k.startswith("value_head.") for k in state)
+
+
+def test_a_worker_lost_mid_grpo_step_goes_back_and_learns_the_same(base_run, grpo_reference, rng):
+    """A drawn rank dies inside a drawn step's first update: the run goes back to its checkpoint and every step
+    after comes out as the uninterrupted run's (each group's responses redone once, on one worker)."""
+    rank, step = rng.randrange(2), rng.randrange(9, STEPS)
+    print(f"rank {rank}, step {step}")
+    fault = f"faults=[{{rank: {rank}, step: {step}, kind: kill_in_allreduce, ready_pool: true}}]"
+    cfg = ppo_config(base_run, "run.name=grpo-lost", *GRPO, fault)
+    train(cfg, run_dir := new_run_dir(cfg), progress=False)
+    assert [r["reason"] for r in records(run_dir, "membership")] == ["recover"]
+    ours, theirs = records(run_dir, "train"), records(grpo_reference, "train")
+    assert [(r["loss"], r["reward"], r["kl_loss"]) for r in ours] == [
+        (r["loss"], r["reward"], r["kl_loss"]) for r in theirs
+    ]
+
+
+def test_grpo_from_the_command_line_scores_with_a_reward_model_directory(base_run, rng, tmp_path, capsys):
+    """`etrain grpo --reward DIR`: the rewarder actor loads a Hugging Face sequence-classification directory and
+    scores every rollout and evaluation with it. Its layers are made to pass each token's embedding through
+    unchanged (their outputs zero) and every token's embedding is one vector, so the model scores any text the same
+    known number: every step's mean reward and the held-out reward must be it."""
+    path, model = reward_dir(rng, tmp_path / "rm")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:] = torch.randn(model.config.hidden_size)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(path)
+    score = theirs(model, RewardModel(str(path)).tokenizer, "anything at all", True)
+    sets = [*PPO, "train.steps=2", "train.eval_every=2", "checkpoint.every=2", "ppo.eval_prompts=8"]
+    sets += ["run.name=grpo-rm", "ppo.rollouts=16"]
+    sets = [x for item in sets for x in ("--set", item)]
+    code = main(["grpo", "--from", str(base_run), "--reward", str(path), "--group", "4", *sets])
+    assert code == 0, capsys.readouterr().err
+    run_dir = base_run.parent / "grpo-rm"
+    assert [r["reward"] for r in records(run_dir, "train")] == pytest.approx([score] * 2, abs=1e-5)
+    assert [e["eval_reward"] for e in records(run_dir, "eval")] == pytest.approx([score] * 2, abs=1e-5)
+    assert all(r["kl_loss"] >= 0 for r in records(run_dir, "train"))  # GRPO's run

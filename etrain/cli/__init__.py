@@ -2,7 +2,7 @@
 
 Commands import what they use when they run, so `--help`, `config` and `status RUN` answer without
 loading Ray or torch. One module per command, each with `add_command` (its parser) and `cmd_*` (its work);
-options.py holds the option groups they share, jobs.py the training job of train, finetune and ppo, logs.py the
+options.py holds the option groups they share, jobs.py the training job of train, finetune, ppo and grpo, logs.py the
 log files.
 """
 
@@ -34,7 +34,7 @@ from etrain.core.errors import Failure, UsageError
 
 # In the order `etrain --help` lists them.
 COMMANDS = (train, finetune, ppo, export, generate, prepare, scale, status, report, cluster, spot_watch, tune, config)
-TRAINING = (train.cmd_train, finetune.cmd_finetune, ppo.cmd_ppo)  # their failure is "training failed"
+TRAINING = (train.cmd_train, finetune.cmd_finetune, ppo.cmd_ppo, ppo.cmd_grpo)  # their failure is "training failed"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""`etrain ppo`: a trained model aligned to a reward with PPO (etrain/core/ppo.py)."""
+"""`etrain ppo` and `etrain grpo`: a trained model aligned to a reward, with PPO (etrain/core/ppo.py) or GRPO
+(etrain/core/grpo.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,27 @@ def add_command(sub) -> None:
         "etrain ppo --from runs/base --reward my_reward.py:score --set finetune.method=full --set optim.lr=1e-4",
         "etrain ppo --from runs/base --reward exact --prompts sums.jsonl --set train.steps=200",
     )
+    add_rl_options(p)
+    p = command(
+        sub,
+        "grpo",
+        cmd_grpo,
+        "align a trained model to a reward with GRPO: --group responses a prompt, each scored against its group's, "
+        "no value head (LoRA by default); resume with etrain train",
+        "etrain grpo --from runs/base --reward exact --prompts sums.jsonl --set train.steps=200",
+        "etrain grpo --from runs/base --reward digits --group 16 --set ppo.rollouts=64",
+    )
+    add_rl_options(p)
+    p.add_argument(
+        "--group",
+        type=int,
+        default=8,
+        metavar="G",
+        help="responses sampled per prompt (ppo.group; ppo.rollouts, the responses a step, a multiple of it)",
+    )
+
+
+def add_rl_options(p) -> None:
     add_config(p)
     add_base(p, "the policy's starting point and the frozen reference")
     p.add_argument(
@@ -36,10 +58,15 @@ def add_command(sub) -> None:
     add_progress(p)
 
 
-def cmd_ppo(args, started_at: float) -> int:
-    from etrain.core.rewards import load, resolve
+def cmd_ppo(args, started_at: float, overrides: list[str] | None = None) -> int:
+    from etrain.data.rewards import load, resolve
 
     prompts = args.prompts if args.prompts is None or "://" in args.prompts else str(Path(args.prompts).resolve())
     reward = load(resolve(args.reward), prompts).name  # a reward or prompts that cannot be loaded: refused first
     then = {"ppo.reward": reward} | ({"ppo.prompts": prompts} if prompts else {})
-    return from_base(args, args.source, args.set, started_at, then)
+    return from_base(args, args.source, [*(overrides or []), *args.set], started_at, then)
+
+
+def cmd_grpo(args, started_at: float) -> int:
+    """PPO's run with ppo.algorithm=grpo; the group --set ppo.group names wins over --group."""
+    return cmd_ppo(args, started_at, ["ppo.algorithm=grpo", f"ppo.group={args.group}"])

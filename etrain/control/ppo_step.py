@@ -16,8 +16,6 @@ from etrain.control.step import Outcome, Position, Stepper, evaluate
 from etrain.core.ppo import AdaptiveKL
 from etrain.worker.protocol import StepReport
 
-MEANS = ("reward", "kl", "kl_coef", "response_len", "clip_fraction", "entropy", "value_loss", "policy_loss")
-
 
 class PPOStepper(Stepper):
     def __init__(self, *args):
@@ -30,7 +28,7 @@ class PPOStepper(Stepper):
     def run(self, at: Position) -> Outcome:
         started = time.perf_counter()
         workers, n, count = self.team.workers, at.step + 1, self.cfg.ppo.rollouts
-        shares = np.array_split(np.arange(at.cursor, at.cursor + count), len(workers))  # prompt indices
+        shares = groups_split(at.cursor, count, self.cfg.ppo.group, len(workers))
         faults = self.faults_due(n, at.cursor)
         work = {"beta": self.kl.beta, "lr_scale": self.guards.lr_scale, "scorers": self.scorers}
         refs = [
@@ -43,7 +41,7 @@ class PPOStepper(Stepper):
             return Outcome(lost=gone.lost, since=started, cause=f"step {n}: {gone.cause}")
         if not all(r.finite for r in reports):
             return Outcome(diverged=True)
-        means = {k: sum(r.ppo[k] for r in reports) / count for k in MEANS}
+        means = {k: sum(r.ppo[k] for r in reports) / count for k in reports[0].ppo}
         extra = {**means, "kl_base": self.kl.beta}
         self.kl.update(means["kl"], count)
         self.commit(at, count, reports, time.perf_counter() - started, extra)
@@ -63,6 +61,11 @@ class PPOStepper(Stepper):
             raise ValueError(
                 f"{workers} workers × ppo.minibatches={ppo.minibatches} exceed ppo.rollouts={ppo.rollouts}: every "
                 "worker needs a rollout for each of its updates"
+            )
+        if workers > ppo.prompts_per_step:
+            raise ValueError(
+                f"{workers} workers exceed the {ppo.prompts_per_step} prompts of a step (ppo.rollouts / ppo.group): "
+                "a prompt's group stays on one worker"
             )
 
     def close(self) -> None:
@@ -94,3 +97,15 @@ class PPOStepper(Stepper):
 
     def load(self, meta: dict) -> None:
         self.kl.beta = meta.get("kl_coef", self.cfg.ppo.kl_coef)
+
+
+def groups_split(cursor: int, count: int, group: int, workers: int) -> list[np.ndarray]:
+    """The step's responses cursor .. cursor + count, split over the workers in whole groups: a group's responses
+    (one prompt's) stay together, as their advantages are measured against each other."""
+    if cursor % group:
+        raise ValueError(
+            f"the run's cursor {cursor} is not a multiple of ppo.group={group}: was ppo.group changed on a resume? "
+            "resume with the group the run started with"
+        )
+    groups = np.arange(cursor, cursor + count).reshape(-1, group)
+    return [part.reshape(-1) for part in np.array_split(groups, workers)]

@@ -12,7 +12,7 @@ from etrain.core.config import Config
 from etrain.core.finetune import load_base
 from etrain.core.models import make_model
 from etrain.core.ppo import token_logprobs
-from etrain.core.rewards import load, score_all
+from etrain.data.rewards import load, score_all
 
 
 class Reference:

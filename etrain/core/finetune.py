@@ -45,8 +45,8 @@ def build_model(cfg: Config) -> LanguageModel:
         add_adapters(model, ft.lora)
         if ft.adapter is not None:
             load_adapter(model, cfg)
-    if cfg.ppo.reward is not None:  # after the adapters: it trains, whatever the method
-        model.add_value_head()
+    if cfg.ppo.reward is not None and cfg.ppo.algorithm == "ppo":  # after the adapters: it trains, whatever the
+        model.add_value_head()  # method (GRPO has none)
     return model
 
 

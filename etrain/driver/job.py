@@ -105,7 +105,7 @@ def check_inputs(cfg: Config) -> Config:
         read_script(cfg.health.script, max(cfg.cluster.num_workers, cfg.cluster.max_workers or 0))
         cfg = override(cfg, {"health.script": str(Path(cfg.health.script).resolve())})
     if cfg.ppo.reward is not None:  # a reward that cannot be loaded, fails or is too slow; text the model cannot read
-        from etrain.core import rewards
+        from etrain.data import rewards
 
         responses = max(cfg.ppo.rollouts, cfg.ppo.eval_prompts)
         rewards.probe(rewards.load(cfg.ppo.reward, cfg.ppo.prompts), responses, cfg.reward_timeout_s())

@@ -1,8 +1,8 @@
-"""PPO's engine (Rollouts: the data-parallel engine, stepping by rollouts) and one worker's part of a PPO step, read
-top to bottom (`ppo_step`): draw
-the step's prompts, sample a response to each with the policy, have the reward score them and the reference measure
-them, turn the rewards into advantages whitened over every worker's rollouts, then run the PPO updates, each
-through DDP.
+"""The RL engine (Rollouts: the data-parallel engine, stepping by rollouts) and one worker's part of a PPO or GRPO
+step, read top to bottom (`ppo_step`): draw the step's prompts, sample responses with the policy (ppo.group to a
+prompt), have the reward score them and the reference measure them, turn the scores into advantages (PPO's: GAE
+over the value head, whitened over every worker's rollouts; GRPO's: each score against its group's), then run the
+updates, each through DDP.
 
 Prompts depend on the run's seed and their index alone, and sampling on (seed, step, rank): a resumed run draws
 and samples what the run that went on did.
@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import dataclass, fields
 
 import ray
 import torch
 import torch.distributed as dist
 
-from etrain.core import rewards
 from etrain.core.config import Config
+from etrain.core.grpo import group_advantages, kl_penalty
 from etrain.core.models.shared import sample
 from etrain.core.ppo import (
     boosted,
@@ -32,8 +33,8 @@ from etrain.core.ppo import (
     value_loss,
     whiten,
 )
-from etrain.core.rewards import RewardError, Task
 from etrain.data import tokenizer
+from etrain.data.rewards import RewardError, Task, load
 from etrain.data.tokenizer import Codec
 from etrain.worker.data_parallel import DataParallel
 from etrain.worker.engine import WorkerIO, peak_rss
@@ -50,7 +51,7 @@ class Rollouts(DataParallel):
 
     def __init__(self, cfg: Config, device: torch.device):
         super().__init__(cfg, device)
-        self.task = rewards.load(cfg.ppo.reward, cfg.ppo.prompts)  # the prompts and their scores
+        self.task = load(cfg.ppo.reward, cfg.ppo.prompts, scoring=False)  # the prompts (scored elsewhere)
         self.codec = tokenizer.for_run(cfg)  # ... in the model's tokens
 
     def step(
@@ -100,30 +101,29 @@ def response_texts(responses: torch.Tensor, mask: torch.Tensor, codec: Codec) ->
 def ppo_step(
     engine, task, codec: Codec, indices, beta: float, lr_scale: float, scorers: tuple, seed: int
 ) -> StepReport:
+    """`indices` number the step's responses: response i answers prompt i // ppo.group (its group's)."""
     cfg, ppo = engine.cfg, engine.cfg.ppo
     started = time.perf_counter()
     engine.model.eval()  # no dropout anywhere: the first update's ratio is 1 (up to the precision's rounding)
-    prompts = prompts_for(task, cfg.train.seed, indices)
+    prompts = prompts_for(task, cfg.train.seed, [int(i) // ppo.group for i in indices])
     generator = torch.Generator(engine.device).manual_seed(seed)
     sequences, responses, mask, texts = rollouts(engine, prompts, codec, generator)
     reference, rewarder = scorers
     asked = reference.logprobs.remote(sequences.cpu(), ppo.prompt_len), rewarder.score.remote(prompts, texts)
+    critic = ppo.algorithm == "ppo"
     with torch.no_grad(), engine.autocast():
-        logits, values = engine.model(sequences, values=True)
+        logits, values = engine.model(sequences, values=critic)
     old_logp = token_logprobs(logits[:, ppo.prompt_len - 1 : -1], responses)
-    old_values = values[:, ppo.prompt_len - 1 : -1].float() * mask
     scores = torch.tensor(wait_for_scores(rewarder, prompts, texts, cfg, asked[1]), device=engine.device)
     ref_logp = ray.get(asked[0]).to(engine.device)
     kl = ((old_logp - ref_logp) * mask).sum(1)  # per response, in nats
     beta = boosted(beta, mean_over_workers(kl, engine.world), ppo.kl_target, ppo.kl_gain)
-    rewards = token_rewards(scores, old_logp, ref_logp, mask, beta)
-    advantages, returns = gae(rewards, old_values, mask, ppo.gamma, ppo.lam)
-    sums = moments(advantages, mask)
-    if engine.world > 1:  # whitened over every worker's rollouts
-        dist.all_reduce(sums)
-    advantages = whiten(advantages, sums, mask)
+    if critic:
+        rollout = ppo_rollout(engine, values, scores, old_logp, ref_logp, mask, beta)
+    else:
+        rollout = Rollout(old_logp, ref_logp, mask, group_advantages(scores, ppo.group)[:, None] * mask)
     computing = time.perf_counter()
-    stats = update(engine, sequences, responses, mask, old_logp, old_values, advantages, returns, lr_scale, generator)
+    stats = update(engine, sequences, responses, rollout, beta, lr_scale, generator)
     n, share = len(indices), len(indices) / ppo.rollouts
     return StepReport(
         finite=math.isfinite(stats["grad_norm"]),
@@ -147,9 +147,41 @@ def ppo_step(
             "kl": kl.sum().item(),
             "response_len": mask.sum().item(),
             "kl_coef": beta * n,  # the same on every worker: the step's rollouts' KL, over all of them
-            **{k: stats[k] * n for k in ("clip_fraction", "entropy", "value_loss", "policy_loss")},
+            **{k: stats[k] * n for k in LOSSES[ppo.algorithm] + ("clip_fraction", "entropy")},
         },
     )
+
+
+LOSSES = {"ppo": ("policy_loss", "value_loss"), "grpo": ("policy_loss", "kl_loss")}  # the parts of an update's loss
+
+
+@dataclass
+class Rollout:
+    """What the updates learn from, per response token (B, T): the policy's and the reference's log-probabilities
+    as sampled, the mask, the advantages; PPO's also the value head's estimates and the returns."""
+
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    def part(self, rows: torch.Tensor) -> Rollout:
+        return Rollout(*(None if (x := getattr(self, f.name)) is None else x[rows] for f in fields(self)))
+
+
+def ppo_rollout(engine, values, scores, old_logp, ref_logp, mask, beta: float) -> Rollout:
+    """PPO's: the KL penalty in each token's reward, GAE over the value head's estimates, the advantages whitened
+    over every worker's rollouts."""
+    ppo = engine.cfg.ppo
+    old_values = values[:, ppo.prompt_len - 1 : -1].float() * mask
+    rewards = token_rewards(scores, old_logp, ref_logp, mask, beta)
+    advantages, returns = gae(rewards, old_values, mask, ppo.gamma, ppo.lam)
+    sums = moments(advantages, mask)
+    if engine.world > 1:
+        dist.all_reduce(sums)
+    return Rollout(old_logp, ref_logp, mask, whiten(advantages, sums, mask), old_values, returns)
 
 
 def mean_over_workers(x: torch.Tensor, world: int) -> float:
@@ -176,22 +208,30 @@ def rollouts(engine, prompts: list[str], codec: Codec, generator: torch.Generato
     return sequences, responses, mask, response_texts(responses.cpu(), mask.cpu(), codec)
 
 
-def update(engine, sequences, responses, mask, old_logp, old_values, advantages, returns, lr_scale, generator) -> dict:
-    """ppo.epochs passes of ppo.minibatches updates; every rank runs as many, so DDP's all-reduces pair up."""
+def update(engine, sequences, responses, rollout: Rollout, beta: float, lr_scale: float, generator) -> dict:
+    """ppo.epochs passes of ppo.minibatches updates; every rank runs as many, so DDP's all-reduces pair up. A
+    minibatch's loss is the clipped surrogate plus PPO's value loss or GRPO's KL to the reference."""
     cfg, ppo, p = engine.cfg, engine.cfg.ppo, engine.cfg.ppo.prompt_len
-    totals = dict.fromkeys(("loss", "policy_loss", "value_loss", "clip_fraction", "entropy", "lr"), 0.0)
+    critic = rollout.values is not None
+    parts = LOSSES[ppo.algorithm]
+    totals = dict.fromkeys(("loss", *parts, "clip_fraction", "entropy", "lr"), 0.0)
     updates, grad_norm = ppo.epochs * ppo.minibatches, 0.0
     for _ in range(ppo.epochs):
         order = torch.randperm(len(sequences), generator=generator, device=engine.device)
-        for part in order.tensor_split(ppo.minibatches):
+        for rows in order.tensor_split(ppo.minibatches):
             engine.optimizer.zero_grad(set_to_none=True)
+            mine = rollout.part(rows)
             with engine.autocast():
-                logits, values = engine.ddp(sequences[part], values=True)
-            logits, values = logits[:, p - 1 : -1], values[:, p - 1 : -1].float()
-            logp = token_logprobs(logits, responses[part])
-            pg, clipped = policy_loss(logp, old_logp[part], advantages[part], mask[part], ppo.clip)
-            vf = value_loss(values, old_values[part], returns[part], mask[part], ppo.value_clip)
-            loss = pg + ppo.value_coef * vf
+                logits, values = engine.ddp(sequences[rows], values=critic)
+            logits = logits[:, p - 1 : -1]
+            logp = token_logprobs(logits, responses[rows])
+            pg, clipped = policy_loss(logp, mine.logprobs, mine.advantages, mine.mask, ppo.clip)
+            if critic:
+                second = value_loss(values[:, p - 1 : -1].float(), mine.values, mine.returns, mine.mask, ppo.value_clip)
+                loss = pg + ppo.value_coef * second
+            else:
+                second = kl_penalty(logp, mine.ref_logprobs, mine.mask)
+                loss = pg + beta * second
             loss.backward()
             clip = cfg.optim.grad_clip or float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(engine.model.parameters(), clip).item()
@@ -202,8 +242,8 @@ def update(engine, sequences, responses, mask, old_logp, old_values, advantages,
             engine.optimizer.step()
             totals["lr"] = engine.optimizer.param_groups[0]["lr"]  # the step's, before the schedule moves on
             with torch.no_grad():
-                ent = entropy(logits.detach(), mask[part]).item()
-            for key, value in (("loss", loss), ("policy_loss", pg), ("value_loss", vf), ("clip_fraction", clipped)):
+                ent = entropy(logits.detach(), mine.mask).item()
+            for key, value in (("loss", loss), (parts[0], pg), (parts[1], second), ("clip_fraction", clipped)):
                 totals[key] += float(value.detach()) / updates
             totals["entropy"] += ent / updates
     engine.scheduler.step()

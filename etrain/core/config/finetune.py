@@ -74,10 +74,23 @@ class FinetuneConfig(Section):
 
 
 class PPOConfig(Section):
-    """Reinforcement learning from a reward (`etrain ppo`): the policy (the fine-tuned model, with a value head)
-    samples responses to the reward task's prompts, the reward scores them, and PPO updates the policy with a
-    per-token KL penalty against the frozen base. See etrain/core/ppo.py."""
+    """Reinforcement learning from a reward (`etrain ppo`, `etrain grpo`): the policy (the fine-tuned model)
+    samples responses to the reward task's prompts, the reward scores them, and the policy is updated with a KL
+    penalty against the frozen base: PPO's, with a value head and GAE (etrain/core/ppo.py), or GRPO's, with no
+    value head, each response's advantage its score against its group's (etrain/core/grpo.py)."""
 
+    algorithm: Literal["ppo", "grpo"] = Field(
+        "ppo",
+        description="ppo: a value head, GAE, the KL penalty in each token's reward; grpo (DeepSeekMath): ppo.group "
+        "responses per prompt, each one's advantage its score normalised over its group, no value head, the KL "
+        "to the base in the loss",
+    )
+    group: int = Field(
+        1,
+        ge=1,
+        description="responses sampled per prompt (GRPO's G, at least 2; a group stays on one worker); "
+        "ppo.rollouts counts responses, so a step has ppo.rollouts / ppo.group prompts",
+    )
     reward: str | None = Field(
         None, description="a built-in task (digits, brackets, length, exact) or FILE.py:function; set by etrain ppo"
     )
@@ -114,3 +127,21 @@ class PPOConfig(Section):
         description="the most a worker waits for the reward to score its responses (one call at a time serves every "
         "worker); a reward slower than this fails the run naming it; below timeouts.step_s (None: half of it)",
     )
+
+    @model_validator(mode="after")
+    def _groups(self):
+        if self.algorithm == "grpo" and self.group < 2:
+            raise ValueError(
+                "ppo.algorithm=grpo normalises each response's score over its prompt's group: set ppo.group to 2 or "
+                "more (`etrain grpo` takes 8 unless --group says otherwise)"
+            )
+        if self.rollouts % self.group:
+            raise ValueError(
+                f"ppo.rollouts={self.rollouts} is not a multiple of ppo.group={self.group}: a step samples whole "
+                "groups; make ppo.rollouts a multiple of it"
+            )
+        return self
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.rollouts // self.group

@@ -165,6 +165,11 @@ def _ppo_sizes(cfg: Config) -> None:
             f"ppo.rollouts={ppo.rollouts} is below {most} worker(s) × ppo.minibatches={ppo.minibatches}: every "
             "worker needs a rollout for each of its updates"
         )
+    if ppo.prompts_per_step < most:
+        raise ValueError(
+            f"ppo.rollouts / ppo.group = {ppo.prompts_per_step} prompts a step is below {most} worker(s): a group "
+            "stays on one worker, so every worker needs a prompt; raise ppo.rollouts"
+        )
     if ppo.prompt_len + ppo.response_len > cfg.model.seq_len:
         raise ValueError(
             f"ppo.prompt_len + ppo.response_len = {ppo.prompt_len + ppo.response_len} exceeds "

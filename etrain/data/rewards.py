@@ -1,8 +1,10 @@
-"""PPO's reward tasks: programmatic ones a byte-level model can learn, or a user's Python function.
+"""PPO's and GRPO's reward tasks: programmatic ones a byte-level model can learn, a user's Python function, or a
+reward model.
 
 A task draws prompts from a seeded random source (so every rank and a resumed run draw the same ones) and scores a
 response to a prompt. The built-in scores lie in [-1, 1]. A user's function is named as FILE.py:function and takes
 (prompt, response) to a float; the file may also define `prompt(rng) -> str`, else the prompts are the digits task's.
+A reward model is a Hugging Face sequence-classification directory (reward_model.py), scored in batches.
 
 Or the prompts come from a file (ppo.prompts, JSON lines: {"prompt": ..., "answer": ...}): rollouts draw from its
 records, evaluations from the ones it holds out (every tenth), and a record's answer goes to a reward that takes a
@@ -27,6 +29,7 @@ import fsspec
 from etrain.core.config import ConfigError
 from etrain.core.errors import Failure
 from etrain.core.storage import STORAGE_ERRORS, describe
+from etrain.data.reward_model import RewardModel, is_reward_model
 
 PAIRS = {"(": ")", "[": "]", "{": "}"}
 
@@ -37,6 +40,7 @@ class Task:
     prompt: Callable[[random.Random], str]
     score: Callable[[str, str], float]
     held_out: Callable[[random.Random], str] | None = None  # the evaluations' prompts, where they are others
+    batch: Callable[[list[str], list[str]], list[float]] | None = None  # scores many at once (a reward model)
 
 
 HELD_OUT_EVERY = 10  # a prompt file's records held out for evaluations: the 10th, the 20th... (its last if fewer)
@@ -49,11 +53,12 @@ class RewardError(Failure):
 
 def score_all(task: Task, prompts: list[str], responses: list[str]) -> list[float]:
     """Each response's score: a finite number, or a RewardError that names the function and what it did."""
+    batched = task.batch(prompts, responses) if task.batch is not None else None  # a reward model's: our code
     scores = []
-    for prompt, response in zip(prompts, responses):
+    for i, (prompt, response) in enumerate(zip(prompts, responses)):
         scoring = f"scoring the response {response[:40]!r} to the prompt {prompt[:40]!r}"
         try:
-            value = task.score(prompt, response)
+            value = task.score(prompt, response) if batched is None else batched[i]
         except Exception as e:  # the user's code: its error, named, its traceback kept
             raise RewardError(
                 f"reward {task.name} raised {type(e).__name__}: {e} ({scoring}); fix the function, then resume the run",
@@ -159,13 +164,17 @@ def resolve(spec: str) -> str:
     """`spec` with a user's file as an absolute path: workers, a resumed run and the reward actor load it later,
     from directories of their own."""
     path, _, name = spec.rpartition(":")
-    return f"{Path(path).expanduser().resolve()}:{name}" if path.endswith(".py") else spec
+    if path.endswith(".py"):
+        return f"{Path(path).expanduser().resolve()}:{name}"
+    local = Path(spec).expanduser()
+    return str(local.resolve()) if "://" not in spec and local.is_dir() else spec  # a reward model's directory
 
 
-def load(spec: str, prompts: str | None = None) -> Task:
-    """A built-in task by name, or FILE.py:function, on its own prompts or a prompt file's (`prompts`); ConfigError
-    naming what is wrong."""
-    task = _load(spec)
+def load(spec: str, prompts: str | None = None, scoring: bool = True) -> Task:
+    """A built-in task by name, FILE.py:function or a reward model's directory, on its own prompts or a prompt
+    file's (`prompts`); ConfigError naming what is wrong. Without `scoring` (a worker, which draws the prompts and
+    leaves the scores to the rewarder) a reward model is not loaded."""
+    task = _load(spec, scoring)
     if prompts is None:
         if spec in CHECKERS:
             raise ConfigError(f"reward {spec} checks each prompt's answer: give a prompt file of answers (--prompts)")
@@ -183,7 +192,12 @@ def load(spec: str, prompts: str | None = None) -> Task:
         _drawing([r for i, r in enumerate(records) if i not in held]),
         score,
         _drawing([r for i, r in enumerate(records) if i in held]),
+        None if takes_answer else task.batch,
     )
+
+
+def _scored_elsewhere(prompt: str, response: str) -> float:
+    raise RuntimeError("a reward model scores on the rewarder actor (etrain/control/scorers.py), not here")
 
 
 def _drawing(records: list[dict]) -> Callable[[random.Random], str]:
@@ -234,16 +248,22 @@ def read_prompts(uri: str) -> list[dict]:
     return records
 
 
-def _load(spec: str) -> Task:
+def _load(spec: str, scoring: bool = True) -> Task:
     if spec in TASKS:
         return TASKS[spec]
+    if is_reward_model(spec) and not scoring:
+        return Task(spec, _code_prompt, _scored_elsewhere)
+    if is_reward_model(spec):
+        model = RewardModel(spec)
+        one = lambda prompt, response: model.score([prompt], [response])[0]  # noqa: E731
+        return Task(spec, _code_prompt, one, batch=model.score)
     if spec in CHECKERS:
         return Task(spec, _code_prompt, CHECKERS[spec])
     path, _, name = spec.rpartition(":")
     if not path.endswith(".py") or not name:
         raise ConfigError(
             f"reward {spec!r}: name a built-in task ({', '.join(TASKS)}), a checker of --prompts' answers "
-            f"({', '.join(CHECKERS)}) or FILE.py:function"
+            f"({', '.join(CHECKERS)}), FILE.py:function or a Hugging Face sequence-classification directory"
         )
     if not Path(path).is_file():
         raise ConfigError(f"reward {spec!r}: {path} does not exist")
