@@ -92,7 +92,9 @@ class PPOConfig(Section):
         "ppo.rollouts counts responses, so a step has ppo.rollouts / ppo.group prompts",
     )
     reward: str | None = Field(
-        None, description="a built-in task (digits, brackets, length, exact) or FILE.py:function; set by etrain ppo"
+        None,
+        description="a built-in task (digits, brackets, length, exact), FILE.py:function or a Hugging Face "
+        "sequence-classification directory (a reward model); set by etrain ppo and etrain grpo",
     )
     prompts: str | None = Field(
         None,
