@@ -1,9 +1,10 @@
 """Chat SFT on a real pretrained model (issue 43, items 2 and 5): SmolLM2-135M-Instruct (examples/real_model.py)
 instruction-tuned on examples/data/pirate_chat.jsonl (48 questions answered in one voice: "Arr, 'tis Paris,
-matey!"), every weight against LoRA r=16 on q and v, each with `etrain finetune --data` as a user runs it.
+matey!"), every weight against LoRA r=16 on q and v and LoRA r=16 on every linear layer, each with `etrain finetune
+--data` as a user runs it.
 
 Per method: the held-out answers' loss before (the base) and after, and the share of full fine-tuning's fall that
-LoRA reaches; the base's general loss (docs/architecture.md, which it never trains on) before and after; how many
+each LoRA reaches; the base's general loss (docs/architecture.md, which it never trains on) before and after; how many
 held-out questions `etrain generate --chat` answers in the voice; the run's wall time.
 Rounds interleave the methods; the results file holds each figure's median and spread.
 
@@ -45,7 +46,14 @@ METHODS = {
         'finetune.lora.targets=["attn.q","attn.v"]',
         "optim.lr=1e-3",
     ],
+    "lora_all": [
+        "finetune.method=lora",
+        "finetune.lora.rank=16",
+        'finetune.lora.targets=["attn.q","attn.k","attn.v","attn.o","mlp.gate","mlp.up","mlp.down"]',
+        "optim.lr=1e-3",
+    ],
 }
+LORAS = ("lora", "lora_all")
 
 
 def loss_on(model, rows: np.ndarray) -> float:
@@ -137,7 +145,7 @@ def main() -> int:
             "voiced": voiced(base)[0],
         }
     figures = {m: summary([{k: v for k, v in r.items() if k != "manifest"} for r in rs]) for m, rs in runs.items()}
-    full, lora = (figures[m]["answer_loss"]["median"] for m in ("full", "lora"))
+    fall = {m: (before["answer_loss"] - figures[m]["answer_loss"]["median"]) for m in ("full", *LORAS)}
     report = {
         "shown": {
             "base": before,
@@ -145,7 +153,7 @@ def main() -> int:
             "general_loss_rise": {
                 m: figures[m]["general_loss"]["median"] / before["general_loss"] - 1 for m in METHODS
             },
-            "lora_share_of_full_fall": (before["answer_loss"] - lora) / (before["answer_loss"] - full),
+            "share_of_full_fall": {m: fall[m] / fall["full"] for m in LORAS},
             "voiced": {m: figures[m]["voiced"] for m in METHODS},
         },
         "figures": figures,

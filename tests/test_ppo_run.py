@@ -225,6 +225,7 @@ def test_grpo_raises_the_held_out_reward_with_no_value_head(grpo_reference):
     assert all("value_loss" not in r and r["kl_loss"] >= 0 and "policy_loss" in r for r in steps)
     state = checkpoint.model_weights(checkpoint.load_latest(str(grpo_reference / "checkpoints")).parts)
     assert any("lora_a" in k for k in state) and not any(k.startswith("value_head.") for k in state)
+    assert write_report(grpo_reference)["plots"]["ppo"].stat().st_size > 0  # its loss parts plotted
 
 
 def test_a_worker_lost_mid_grpo_step_goes_back_and_learns_the_same(base_run, grpo_reference, rng):

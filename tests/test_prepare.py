@@ -191,6 +191,16 @@ def test_a_tokenizer_is_learned_or_given_kept_with_the_shards_and_named_to_a_mod
     assert run_prepare(sources, str(given), "--set", f"prepare.tokenizer={learned / 'tokenizer.json'}") == 0
     again = json.loads((given / "manifest.json").read_text())
     assert again["splits"] == manifest["splits"] and again["tokenizer"] == manifest["tokenizer"]
+    assert not (given / "chat_template.jinja").exists()  # none beside the file given
+    model = tmp_path / "chat-model"  # a chat model's directory: its template and specials travel with its tokenizer
+    model.mkdir()
+    (model / "tokenizer.json").write_bytes((learned / "tokenizer.json").read_bytes())
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": kept.tokenizer.id_to_token(kept.eos)}))
+    from_model = tmp_path / "from-model"
+    assert run_prepare(sources, str(from_model), "--set", f"prepare.tokenizer={model}") == 0
+    for name in ("tokenizer.json", "chat_template.jinja", "tokenizer_config.json"):
+        assert (from_model / name).read_bytes() == (model / name).read_bytes(), name
 
     small = make_cfg(f"data.source={learned / 'manifest.json'}", "train.steps=2", "run.name=small")
     with pytest.raises(ConfigError, match=r"tokenized with its tokenizer tokenizer.json .* into 400 token ids, but "):

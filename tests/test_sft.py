@@ -16,6 +16,7 @@ from etrain.core import hf
 from etrain.core.config import load_config
 from etrain.core.models import make_model
 from etrain.core.models.shared import inputs_and_targets, next_token_loss
+from etrain.data import chat
 from etrain.data.shards import ShardReader
 
 from helpers import chat as fixtures
@@ -103,10 +104,15 @@ def test_finetune_on_chat_data_learns_the_answers_and_generates_in_the_template(
     # both runs read the one prepared copy
     assert len(list((tmp_path / "runs" / "chat-data").iterdir())) == 1
 
+    exported = tmp_path / "exported"  # the template travels to the Hugging Face directory with the tokenizer
+    assert main(["export", str(tmp_path / "runs" / "full"), "--format", "hf", "--out", str(exported)]) == 0
+    assert chat.read_template(str(exported)).text == fixtures.TEMPLATES[template]
     for question in random.Random(rng.randrange(2**31)).sample(sorted(QA), 2):
         answer = QA[question]
-        assert main(["generate", str(tmp_path / "runs" / "full"), "--chat", "--prompt", question]) == 0
-        assert capsys.readouterr().out == answer + "\n"
+        for model in (tmp_path / "runs" / "full", exported):
+            capsys.readouterr()
+            assert main(["generate", str(model), "--chat", "--prompt", question]) == 0
+            assert capsys.readouterr().out == answer + "\n", model
 
 
 def hf_model(directory, cfg):

@@ -469,8 +469,10 @@ def _finish(
     sfs.makedirs(sroot, exist_ok=True)
     sfs.pipe_file(posixpath.join(sroot, "quarantine.jsonl"), "".join(json.dumps(r) + "\n" for r in rejected).encode())
     sfs.pipe_file(posixpath.join(sroot, "report.json"), json.dumps(report, indent=1).encode())
-    if tok is not None:  # kept with the shards: what a run's samples decode with
-        sfs.pipe_file(posixpath.join(sroot, tokenizer.FILE), tok.text.encode())
+    if tok is not None:  # kept with the shards: what a run's samples decode with (a model's template with it)
+        kept = tokenizer.with_companions(cfg.prepare.tokenizer) if isinstance(cfg.prepare.tokenizer, str) else {}
+        for name, body in (kept | {tokenizer.FILE: tok.text.encode()}).items():
+            sfs.pipe_file(posixpath.join(sroot, name), body)
     write_manifest(
         staging,
         seq_len=cfg.model.seq_len,

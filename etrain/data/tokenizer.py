@@ -22,6 +22,7 @@ EOT = 0
 VOCAB_SIZE = 256
 BYTES = "bytes"
 FILE = "tokenizer.json"  # the name a tokenizer is kept under beside the shards
+COMPANIONS = ("tokenizer_config.json", "chat_template.jinja")  # kept beside it: its specials, a chat model's template
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>")  # by convention, when nothing says
 
 
@@ -74,6 +75,18 @@ class TokenizerFile:
 
     def manifest(self) -> dict:
         return {"file": FILE, "sha256": self.sha256, "eos": self.eos, "vocab_size": self.vocab_size}
+
+
+def with_companions(path: str | Path) -> dict[str, bytes]:
+    """The tokenizer file at `path` (the file, or a directory holding it) and the COMPANIONS beside it, by name:
+    what travels with a tokenizer from a model to a corpus, and from a run's data to an exported model, so that a
+    chat model keeps its template."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(str(path) if "://" in str(path) else str(Path(path).expanduser()))
+    file = posixpath.join(root, FILE) if fs.isdir(root) else root
+    beside = {name: posixpath.join(posixpath.dirname(file), name) for name in COMPANIONS}
+    return {FILE: fs.cat_file(file)} | {name: fs.cat_file(p) for name, p in beside.items() if fs.isfile(p)}
 
 
 def read_file(path: str | Path) -> TokenizerFile:

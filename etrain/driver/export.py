@@ -85,17 +85,16 @@ def export(run_dir: Path, out: Path, merge: bool, format: str = "run") -> dict:
 
 def _copy_tokenizer(cfg, out: Path) -> str | None:
     """The tokenizer the run's data was prepared with, beside the weights (what `transformers` and `etrain generate`
-    decode with); None for bytes, which no tokenizer file describes."""
+    decode with), with its tokenizer_config.json and chat template where the data kept them; None for bytes, which
+    no tokenizer file describes."""
     import posixpath
 
-    import fsspec
-
     from etrain.data.shards import read_manifest
-    from etrain.data.tokenizer import FILE
+    from etrain.data.tokenizer import FILE, with_companions
 
     if cfg.data.source == "embedded" or not isinstance(read_manifest(cfg.data.source).get("tokenizer"), dict):
         return None
     source = posixpath.join(posixpath.dirname(cfg.data.source), FILE)
-    with fsspec.open(source, "rb") as f:
-        (out / FILE).write_bytes(f.read())
+    for name, body in with_companions(source).items():
+        (out / name).write_bytes(body)
     return source

@@ -288,8 +288,9 @@ def _grad_norm(records: list[dict]) -> Figure:
 
 
 def _ppo(records: list[dict]) -> Figure:
-    """A PPO run's statistics per step: the reward (and the held-out one), the KL to the base and its coefficient,
-    the clip fraction, the policy's entropy, the value loss."""
+    """A PPO or GRPO run's statistics per step: the reward (and the held-out one), the KL to the base and its
+    coefficient, the clip fraction, the policy's entropy, the value loss (PPO's) or the KL term of the loss
+    (GRPO's)."""
     fig = _figure((10, 6))
     axes = fig.subplots(2, 3).flatten()
     train = [r for r in _of(records, "train") if "reward" in r]
@@ -301,7 +302,7 @@ def _ppo(records: list[dict]) -> Figure:
         ("kl_coef", "KL coefficient"),
         ("clip_fraction", "clip fraction"),
         ("entropy", "entropy (nats/token)"),
-        ("value_loss", "value loss"),
+        ("value_loss", "value loss") if train and "value_loss" in train[0] else ("kl_loss", "KL term of the loss (k3)"),
     ]
     for ax, (key, title) in zip(axes, panels):
         ax.plot(steps, [r[key] for r in train], lw=1, label="rollouts")
