@@ -15,7 +15,7 @@ from etrain.core.config import ConfigError
 from etrain.driver.report import write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
-PLOTS = {"loss", "throughput", "data_wait", "world_size", "grad_norm"}
+PLOTS = {"loss", "throughput", "data_wait", "world_size", "grad_norm", "time"}
 T0 = 1_700_000_000.0
 
 
@@ -98,7 +98,7 @@ def test_report_plots_page_and_summary(tmp_path):
 
     page = report["html"].read_text()
     images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
-    assert len(images) == 5 and all(base64.b64decode(i).startswith(PNG) for i in images)
+    assert len(images) == 6 and all(base64.b64decode(i).startswith(PNG) for i in images)
     assert "elastic-run" in page
 
     # each change at the end of the step it followed, in seconds since the first step ended (step s ends at T0 + s)

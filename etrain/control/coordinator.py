@@ -199,13 +199,13 @@ class Coordinator:
         self.team.refill()
 
     def evaluate(self) -> Lost | None:
-        self.evaluated_step = self.at.step
+        self.evaluated_step, started = self.at.step, time.perf_counter()
         try:
             loss, reward = self.stepper.evaluate(self.faults.due(self.at.step, during="eval"))
         except WorkersLost as gone:  # this evaluation is lost with them; the next comes after recovery
             return Lost(gone.lost, gone.since)
         if loss is not None:
-            self.log.record(Eval(self.at.step, loss, reward))
+            self.log.record(Eval(self.at.step, loss, reward, time.perf_counter() - started))
         return None
 
     def checkpoint(self) -> Lost | None:

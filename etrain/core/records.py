@@ -86,6 +86,7 @@ class Eval(Record):
     kind: ClassVar[str] = "eval"
     eval_loss: float
     eval_reward: float | None = None  # a PPO run's mean reward on held-out prompts
+    eval_s: float | None = None  # its wall time (badput: etrain/core/goodput.py)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import numpy as np
 
 from etrain.core.comm_model import advise
 from etrain.core.config import ConfigError
+from etrain.core.goodput import time_split
 from etrain.core.records import STEP_PARTS, read_jsonl, steady_tokens_per_s
 
 if TYPE_CHECKING:
@@ -50,10 +51,12 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> dict:
     }
     if any("reward" in r for r in _of(records, "train")):  # a PPO run
         figures["ppo"] = _ppo(records)
+    split = time_split(read_jsonl(run_dir / "metrics.jsonl"))  # every record: the redone steps' first try too
+    figures["time"] = _time(split)
     plots = {name: out_dir / f"{name}.png" for name in figures}
     for name, fig in figures.items():
         fig.savefig(plots[name])
-    summary = _summary(records, layout) | {"communication": _communication(run_dir, records)}
+    summary = _summary(records, layout) | {"communication": _communication(run_dir, records), "time": split}
     page = out_dir / "report.html"
     page.write_text(_html(run_dir.name, summary, plots))
     return {"html": page, "plots": plots, "summary": summary, "events": events}
@@ -313,6 +316,22 @@ def _ppo(records: list[dict]) -> Figure:
     return fig
 
 
+def _time(split: dict) -> Figure:
+    """The run's wall time: the steps' productive time, then each cause of badput, as one stacked bar."""
+    fig = _figure((10, 2.6))
+    ax = fig.subplots()
+    parts = {"productive": split["productive_s"], **split["badput_s"]}
+    left = 0.0
+    for name, seconds in parts.items():
+        shown = max(seconds, 0.0)
+        ax.barh(0, shown, left=left, label=f"{name.replace('_', ' ')} {seconds:.1f} s")
+        left += shown
+    goodput = "–" if split["goodput"] is None else f"{split['goodput']:.1%}"
+    ax.set(xlabel="seconds", yticks=[], title=f"Wall time {split['wall_s']:.1f} s: goodput {goodput}")
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    return fig
+
+
 def _time_mean(records: list[dict], key: str) -> float | None:
     """Weighted by step time: the run's overall rate, not a mean over steps of unequal length."""
     have = [r for r in records if r.get(key) is not None and r.get("step_time_s")]
@@ -368,6 +387,13 @@ def _html(name: str, summary: dict, plots: dict[str, Path]) -> str:
     ]
     if summary.get("communication"):
         rows.append(("communication", summary["communication"]["advice"]))
+    split = summary.get("time")
+    if split and split["goodput"] is not None:
+        lost = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in split["badput_s"].items() if abs(v) >= 0.05)
+        rows.append(
+            ("goodput (productive step time / wall time)", f"{split['goodput']:.1%} of {split['wall_s']:.1f} s")
+        )
+        rows.append(("badput by cause", lost or "none"))
     table = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     images = "\n".join(
         f'<p><img alt="{html.escape(k)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"></p>'
