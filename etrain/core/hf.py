@@ -206,8 +206,9 @@ class Weights(Mapping):
     """A Hugging Face directory's weights by our names, each read when asked for (only that tensor's bytes of its
     file): a base's shapes and digest without the whole model in memory."""
 
-    def __init__(self, directory: str | Path):
-        self.format = format_of(directory)
+    def __init__(self, directory: str | Path, format: HFFormat | None = None):
+        """`format`: the family's, where config.json names another head on its trunk (a reward model's)."""
+        self.format = format or format_of(directory)
         named = ((self.format.our_name(theirs), theirs, f) for theirs, f in files(directory).items())
         self._files = {ours: (f, theirs) for ours, theirs, f in named if ours}
         self.tied = "head.weight" not in self._files and "embed.weight" in self._files

@@ -15,7 +15,7 @@ import fsspec
 import torch
 
 from etrain.core.config import ConfigError
-from etrain.core.hf import files
+from etrain.core.hf import Weights, check_against, files
 from etrain.core.models import by_architecture, make_model
 from etrain.core.storage import STORAGE_ERRORS, describe
 
@@ -44,7 +44,6 @@ class RewardModel:
     def __init__(self, directory: str):
         from etrain.data.tokenizer import read_file
 
-        self.directory = directory
         fs, root = fsspec.core.url_to_fs(directory)
         path = posixpath.join(root, "config.json")
         try:
@@ -76,21 +75,12 @@ class RewardModel:
     def _load(self, directory: str, fmt) -> torch.nn.Linear:
         """The trunk's weights into the model, and the score head; ConfigError naming a tensor missing or of
         another shape."""
+        weights, state = Weights(directory, fmt), self.model.state_dict()
+        trunk = {name: t for name, t in state.items() if name != "head.weight"}  # a classifier has no LM head
+        check_against(weights, {name: t.shape for name, t in trunk.items()}, directory)
+        for name, t in trunk.items():
+            t.copy_(weights[name])
         held = files(directory)
-        state = self.model.state_dict()
-        for theirs, file in held.items():
-            ours = fmt.our_name(theirs)
-            if ours in state and ours != "head.weight":
-                tensor = file.tensor(theirs)
-                if tensor.shape != state[ours].shape:
-                    raise ConfigError(
-                        f"reward model {directory}: tensor {theirs} has shape {tuple(tensor.shape)}, its config.json's "
-                        f"model needs {tuple(state[ours].shape)}"
-                    )
-                state[ours].copy_(tensor)
-        needed = {fmt.their_name(n) for n in state if n != "head.weight"}
-        if missing := sorted(needed - held.keys()):
-            raise ConfigError(f"reward model {directory} holds no tensor {missing[0]}, which its config.json's needs")
         if "score.weight" not in held:
             raise ConfigError(f"reward model {directory} holds no tensor score.weight (the classifier's head)")
         weight = held["score.weight"].tensor("score.weight")

@@ -251,9 +251,9 @@ def read_prompts(uri: str) -> list[dict]:
 def _load(spec: str, scoring: bool = True) -> Task:
     if spec in TASKS:
         return TASKS[spec]
-    if is_reward_model(spec) and not scoring:
-        return Task(spec, _code_prompt, _scored_elsewhere)
     if is_reward_model(spec):
+        if not scoring:
+            return Task(spec, _code_prompt, _scored_elsewhere)
         model = RewardModel(spec)
         one = lambda prompt, response: model.score([prompt], [response])[0]  # noqa: E731
         return Task(spec, _code_prompt, one, batch=model.score)

@@ -77,14 +77,19 @@ class TokenizerFile:
         return {"file": FILE, "sha256": self.sha256, "eos": self.eos, "vocab_size": self.vocab_size}
 
 
+def _located(path: str | Path):
+    """(filesystem, path of the tokenizer file): `path` is the file, or a directory holding it."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(str(path) if "://" in str(path) else str(Path(path).expanduser()))
+    return fs, posixpath.join(root, FILE) if fs.isdir(root) else root
+
+
 def with_companions(path: str | Path) -> dict[str, bytes]:
     """The tokenizer file at `path` (the file, or a directory holding it) and the COMPANIONS beside it, by name:
     what travels with a tokenizer from a model to a corpus, and from a run's data to an exported model, so that a
     chat model keeps its template."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(str(path) if "://" in str(path) else str(Path(path).expanduser()))
-    file = posixpath.join(root, FILE) if fs.isdir(root) else root
+    fs, file = _located(path)
     beside = {name: posixpath.join(posixpath.dirname(file), name) for name in COMPANIONS}
     return {FILE: fs.cat_file(file)} | {name: fs.cat_file(p) for name, p in beside.items() if fs.isfile(p)}
 
@@ -92,10 +97,7 @@ def with_companions(path: str | Path) -> dict[str, bytes]:
 def read_file(path: str | Path) -> TokenizerFile:
     """`tokenizer.json`, or a directory holding one (and perhaps tokenizer_config.json, which names its EOS), on
     local disk or at an fsspec URI; ValueError naming what is missing or wrong."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(str(path) if "://" in str(path) else str(Path(path).expanduser()))
-    file = posixpath.join(root, FILE) if fs.isdir(root) else root
+    fs, file = _located(path)
     if not fs.isfile(file):
         raise ValueError(f"prepare.tokenizer {path}: no {FILE} there (give the file, or a directory holding it)")
     named = None
