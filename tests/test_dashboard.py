@@ -15,6 +15,8 @@ import threading
 import time
 import urllib.request
 
+import pytest
+
 from etrain.cli import main
 from etrain.driver.job import new_run_dir, train
 
@@ -175,3 +177,9 @@ def test_metrics_status_and_report_of_a_live_run(ray_session, make_cfg, capsys):
 
     report = write_report(run_dir, run_dir / "again")
     assert [label for _, label in report["events"]] == ["scale-out 1→2"]
+    split = report["summary"]["time"]
+    print(split)  # issue 44: every second productive or a cause, none counted twice
+    assert split["productive_s"] + sum(split["badput_s"].values()) == pytest.approx(split["wall_s"])
+    assert all(v >= 0 for k, v in split["badput_s"].items() if k != "unaccounted")
+    assert split["badput_s"]["unaccounted"] > -0.05 and 0 < split["goodput"] <= 1, split
+    assert split["badput_s"]["start_up"] > 0 and split["badput_s"]["re_forming"] > 0  # the start; the scale-out
