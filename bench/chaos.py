@@ -13,7 +13,11 @@ worker group from its last checkpoint. An unfaulted run of each is the baseline.
 - committed_share: steps committed / steps attempted (a failed or redone step is attempted, not committed);
 - tokens_per_s: tokens of the committed steps over the training time (first step to last; start-up is apart);
 - goodput: tokens_per_s over the unfaulted run's of the same trainer (the round's own baseline);
-- every_sample_once (ours): each step recorded once and the data cursor exact.
+- every_sample_once (ours): each step recorded once and the data cursor exact;
+- badput by cause (ours, etrain/core/goodput.py `time_split` of the run's records): start-up, detection,
+  re-forming, redone steps, unaccounted; and the refill measured apart: the kept steps' time beyond as many steps
+  of the round's unfaulted run (its median step). Nothing else differs between the two runs' steps, so that excess
+  is what the pool's workers starting beside the survivors cost them.
 
 Each variant runs in a fresh process, --rounds times interleaved; bench/results/chaos.json has the medians with
 their spread. CPU figures: a step here is ~0.1-0.3 s, so the fixed costs of a recovery (detection, re-forming the
@@ -28,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -64,6 +69,7 @@ def overrides(args) -> list[str]:
 def run_ours(args, every: int, extra: tuple[str, ...] = (), ready_pool: bool = True) -> dict:
     """`ready_pool`: each kill waits for a replacement (the bench); without, the group shrinks (the bench's test)."""
     from etrain.core.config import load_config
+    from etrain.core.goodput import time_split
     from etrain.core.records import read_jsonl
     from etrain.driver.job import new_run_dir, train
 
@@ -80,6 +86,7 @@ def run_ours(args, every: int, extra: tuple[str, ...] = (), ready_pool: bool = T
     once = [r["step"] for r in steps] == list(range(1, args.steps + 1)) and all(
         r["cursor"] == r["step"] * cfg.train.global_batch for r in steps
     )
+    split = time_split(records)
     return {
         "committed_share": len(steps) / (len(steps) + redone),
         "tokens_per_s": tokens_per_s(args, [r["time"] for r in steps], steps[0].get("step_time_s") or 0),
@@ -87,6 +94,10 @@ def run_ours(args, every: int, extra: tuple[str, ...] = (), ready_pool: bool = T
         "kills": sum(r["kind"] == "fault" for r in records),  # fired: a kill late in the run may wait past its end
         "worlds": sorted({r["world_size"] for r in steps}),
         "every_sample_once": once,
+        "productive_s": split["productive_s"],
+        **{f"{cause}_s": seconds for cause, seconds in split["badput_s"].items()},
+        "step_s": statistics.median(r["step_time_s"] for r in steps if r.get("step_time_s") is not None),
+        "kept_steps": sum(r.get("step_time_s") is not None for r in steps),
     }
 
 
@@ -245,13 +256,27 @@ def main() -> None:
             base = runs.get(f"{who}-K0")
             if base:
                 r["goodput"] = r["tokens_per_s"] / base[i]["tokens_per_s"]
+    for rs in runs.values():
+        for i, r in enumerate(rs):
+            base = runs.get("ours-K0")
+            if r["variant"].startswith("ours-") and base and "productive_s" in r:
+                r["refill_s"] = r["productive_s"] - r["kept_steps"] * base[i]["step_s"]
     rows = {v: summary(rs) for v, rs in runs.items()}
     shown = {
         v: {k: rows[v][k]["median"] for k in ("committed_share", "goodput") if k in rows[v]}
         | {f"{k}_spread": [rows[v][k]["min"], rows[v][k]["max"]] for k in ("goodput",) if k in rows[v]}
         for v in rows
     }
-    report = {"args": vars(args), "goodput": shown, "rows": rows, "runs": runs, "when": time.strftime("%Y-%m-%d %H:%M")}
+    causes = ("start_up", "detection", "re_forming", "redone_steps", "refill", "unaccounted")
+    split = {
+        v: {c: round(rows[v][f"{c}_s"]["median"], 2) for c in causes if f"{c}_s" in rows[v]}
+        | {"failures": rows[v]["failures"]["median"]}
+        for v in rows
+        if v.startswith("ours-")
+    }
+    print("badput by cause (s, medians):\n" + json.dumps(split, indent=1))
+    report = {"args": vars(args), "goodput": shown, "badput_s": split, "rows": rows, "runs": runs}
+    report["when"] = time.strftime("%Y-%m-%d %H:%M")
     publish(report, "goodput", args.out)
 
 

@@ -242,6 +242,9 @@ def test_chaos_bench_kills_on_its_schedule_and_counts_what_was_committed(ray_ses
     assert result["kills"] == result["failures"] == 2 and result["worlds"] == [1, 2, 3], result
     assert result["every_sample_once"] and result["tokens_per_s"] > 0, result
     assert result["committed_share"] == 8 / (8 + 2), result  # each killed step is redone by the survivors
+    # the badput split: each kill detected and the group re-formed, no step redone after a rewind, all 8 kept
+    assert result["detection_s"] > 0 and result["re_forming_s"] > 0 and result["redone_steps_s"] == 0, result
+    assert result["kept_steps"] == 8 and result["productive_s"] > 0 < result["step_s"], result
 
 
 def hpo_search(curves: list[list[float]], every: int = 10) -> dict:
