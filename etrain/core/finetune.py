@@ -36,11 +36,12 @@ VALUE_HEAD = "value_head."  # a PPO run's, trained beside the language model
 def build_model(cfg: Config) -> LanguageModel:
     """Weights as every worker must start them: the same seed, the same base, the same adapters' init."""
     torch.manual_seed(cfg.train.seed)
-    model = make_model(cfg.model)
     ft = cfg.finetune
     if ft.base is None:
-        return model
-    load_base(model, ft)
+        return make_model(cfg.model)
+    with torch.device("meta"):  # the base's weights replace every one: no random init (a second on a 135 M model)
+        model = make_model(cfg.model)
+    load_base(model.materialize(torch.device("cpu")), ft)
     if ft.method == "lora":
         add_adapters(model, ft.lora)
         if ft.adapter is not None:
@@ -112,23 +113,25 @@ def _verified(ft: FinetuneConfig, whole: bool) -> Mapping[str, torch.Tensor]:
     from etrain.core import hf
 
     if hf.is_model_dir(ft.base):  # a Hugging Face directory: its safetensors, a tensor at a time unless `whole`
-        weights = hf.read_weights(ft.base) if whole else hf.Weights(ft.base)
-        return _same(ft, weights)
+        from etrain.core import digests
+
+        _same(ft, digests.digest(ft.base))  # its files as fingerprinted, before they are read
+        return hf.read_weights(ft.base) if whole else hf.Weights(ft.base)
     with _reading("finetune.base", ft.base):
         ckpt = checkpoint.load_at(ft.base)
-    return _same(ft, _weights(ckpt, whole))
+    weights = _weights(ckpt, whole)
+    _same(ft, checkpoint.weights_digest(weights))
+    return weights
 
 
-def _same(ft: FinetuneConfig, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-    """`weights`, if they are the base the run recorded (finetune.base_digest); else ConfigError."""
-    digest = checkpoint.weights_digest(weights)
+def _same(ft: FinetuneConfig, digest: str) -> None:
+    """ConfigError unless `digest` is the base's the run recorded (finetune.base_digest)."""
     if ft.base_digest is not None and digest != ft.base_digest:
         raise ConfigError(
             f"finetune.base {ft.base} is not the checkpoint this run was made from: its weights' sha256 is "
             f"{digest[:16]}, the run recorded {ft.base_digest[:16]}; put that checkpoint back, or start a new "
             "fine-tuning run from this one with `etrain finetune --from`"
         )
-    return weights
 
 
 def _weights(ckpt: checkpoint.Checkpoint, whole: bool) -> Mapping[str, torch.Tensor]:
@@ -210,7 +213,9 @@ def resolve_base(source: str) -> tuple[str, str, Config | None, ModelConfig | No
     if "://" not in source:
         source = str(Path(source).expanduser().resolve())
     if hf.is_model_dir(source):
-        return source, checkpoint.weights_digest(hf.Weights(source)), None, hf.read_config(source)
+        from etrain.core import digests
+
+        return source, digests.digest(source), None, hf.read_config(source)
     fs, path = fsspec.core.url_to_fs(source)
     with _reading("--from", source):
         if fs.isfile(posixpath.join(path, "config.yaml")):  # a run directory

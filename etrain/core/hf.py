@@ -14,7 +14,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import fsspec
+import numpy as np
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
@@ -99,6 +101,7 @@ class SafetensorsFile:
                 )
         self.start, self.size, self.entries = 8 + length, size, header
         self.read_bytes = 0  # of tensors, since opened
+        self._mapped: np.memmap | None = None  # a local file, mapped copy-on-write at its first tensor read
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -130,9 +133,12 @@ class SafetensorsFile:
     def _read(self, dtype: torch.dtype, shape: torch.Size, begin: int) -> torch.Tensor:
         if shape.numel() == 0:
             return torch.empty(shape, dtype=dtype)
-        end = begin + shape.numel() * dtype.itemsize
-        data = self.fs.cat_file(self.path, start=self.start + begin, end=self.start + end)
-        self.read_bytes += len(data)
+        first, end = self.start + begin, self.start + begin + shape.numel() * dtype.itemsize
+        self.read_bytes += end - first
+        if isinstance(self.fs, LocalFileSystem):  # the page cache's copy, shared by the node's workers until written
+            self._mapped = self._mapped if self._mapped is not None else np.memmap(self.path, mode="c")
+            return torch.frombuffer(self._mapped[first:end], dtype=dtype).reshape(shape)
+        data = self.fs.cat_file(self.path, start=first, end=end)
         return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
@@ -158,6 +164,13 @@ def files(directory: str | Path) -> dict[str, SafetensorsFile]:
         raise ConfigError(f"{directory} holds no model.safetensors and no {INDEX}")
     opened = SafetensorsFile(fs, single)
     return dict.fromkeys(opened.keys(), opened)
+
+
+def weight_files(fs, root: str) -> list[str]:
+    """The names of the files that hold a directory's weights: its index and the shards it names, or the one
+    model.safetensors."""
+    index = posixpath.join(root, INDEX)
+    return [INDEX, *sorted(set(_index(fs, index).values()))] if fs.isfile(index) else ["model.safetensors"]
 
 
 def _index(fs, path: str) -> dict[str, str]:
