@@ -58,25 +58,23 @@ def ours(args, base: Path, cache: Path) -> dict:
     root = Path(tempfile.mkdtemp(prefix="startup-ours-"))
     sets = [*RUN, f"run.root={root}", f"data.cache_dir={args.data}"]
     cmd = [
-        sys.executable,
-        "-m",
-        "etrain",
+        str(Path(sys.executable).parent / "etrain"),
         "train",
         "--init-from",
         str(base),
         "--config",
         "tiny",
-        "--quiet",
-        "--set",
-        *sets,
+        "--no-progress",
     ]
+    cmd += [arg for item in sets for arg in ("--set", item)]
     env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
     launched = time.time()
-    subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"etrain train failed ({done.returncode}):\n{done.stderr[-3000:]}")
     (run_dir,) = [p.parent for p in root.glob("*/summary.json")]
-    start = next(
-        r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "start"
-    )
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    start = next(r for r in records if r["kind"] == "start")
     startup = json.loads((run_dir / "summary.json").read_text())["startup_s"]
     return {"startup_s": startup, "launch_to_first_step_s": start["time"] - launched,
             **{f"{phase}_s": s for phase, s in start["phases"].items()}}  # fmt: skip
