@@ -35,6 +35,7 @@ class Balancer:
 
     def forget(self, keep: list[Hashable]) -> None:
         """Drop workers that left; a joiner starts at the mean speed until measured."""
+        keep = set(keep)  # hashed: `in` a list of N members, for each of N, is O(N²)
         self.speeds = {w: s for w, s in self.speeds.items() if w in keep}
 
     def weights(self, workers: list[Hashable]) -> list[float]:

@@ -40,24 +40,33 @@ def gather(
     queued: list = (),
     queued_s: float = 0.0,
     timeout_name: str = "",
+    stop: Callable[[], None] | None = None,
 ) -> list:
     """The results of `refs`, in order. `among` are the workers answerable for them (pinged on a failure). `queued`:
     calls made to them after these (a step sent ahead, control/step.py), which a worker ends before it can answer a
     ping: on a failure they are waited for, up to `queued_s`, so that a survivor busy in one is not taken for hung.
-    `timeout_name`: the config key `timeout` comes from, named when it runs out."""
+    `timeout_name`: the config key `timeout` comes from, named when it runs out. `stop`: called at the first failure,
+    before the pings, to end the work the others still do for a call that can no longer succeed (a step: a ping
+    waits for it, and a recovery with it)."""
     results, pending, failed = {}, list(refs), None
     deadline = time.perf_counter() + timeout
     while pending and failed is None and time.perf_counter() < deadline:
         done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.perf_counter()))
-        for ref in done:
+        if done and pending:  # the answers already back too, in one wait: a wait per answer over all still pending
+            # costs O(N²) for N workers (0.9 s for 1,024 here: bench/scale.py)
+            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+            done += more
+        for ref in done:  # in the order asked, to the first failure: what a wait per answer read
             try:
                 results[ref] = ray.get(ref)
             except ray.exceptions.RayActorError as e:
                 if e.actor_init_failed:
                     raise JobError(could_not_start(e)) from None
-                failed = failed or e
+                failed = e
+                break
             except ray.exceptions.RayTaskError as e:
-                failed = failed or e
+                failed = e
+                break
     if failed is None and not pending:
         return [results[r] for r in refs]
     named = f"{timeout_name}=" if timeout_name else ""
@@ -66,6 +75,8 @@ def gather(
     if isinstance(cause, Failure):  # named by the work itself (a reward that fails): its peers may be waiting in a
         # collective for it and miss the ping; none of them is lost, and no replacement would do better
         raise JobError(str(cause), details) from None
+    if stop is not None and failed is not None:
+        stop()
     if queued:
         ray.wait(list(queued), num_returns=len(queued), timeout=queued_s)
     lost = find_lost(among, what, cause, ping_s, retire, details or None)

@@ -92,7 +92,7 @@ class HealthWatch:
         """At each step boundary: read, assess every node, act. The nodes whose members leave now (`draining`);
         `kept_off` and `replacements` say where no new worker goes and how many the pool should add."""
         self._read()
-        self.drift.forget(self.team.workers)
+        self.drift.forget(set(self.team.workers))  # a set: `in` the members' list, for each of them, is O(N²)
         members = self._members_by_node()
         for node in set(self.nodes) | set(members):
             self.risk[node] = risk = self._assess(node, members.get(node, []))

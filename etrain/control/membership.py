@@ -73,9 +73,12 @@ def plan_resize(
 
 def whole_replicas(workers: list, lost: list, ranks: int) -> tuple[list, list]:
     """The members of replicas that lost none of their `ranks` members, in order; and the members of the others."""
+    lost = set(lost)  # hashed: a thousand members, each looked for in a list of a thousand, is a million compares
     replicas = [workers[i : i + ranks] for i in range(0, len(workers), ranks)]
-    intact = [r for r in replicas if not any(w in lost for w in r)]
-    return [w for r in intact for w in r], [w for r in replicas if r not in intact for w in r]
+    intact, broken = [], []
+    for r in replicas:
+        (broken if any(w in lost for w in r) else intact).extend(r)
+    return intact, broken
 
 
 def twin(rank: int, applied: list[int], step: int, ranks: int) -> int | None:
@@ -111,14 +114,18 @@ class Team:
 
     # -- waiting for workers ---------------------------------------------------
 
-    def gather(self, refs: list, among: list, what: str, timeout: float | None = None, queued: list = ()) -> list:
+    def gather(
+        self, refs: list, among: list, what: str, timeout: float | None = None, queued: list = (), stop=None
+    ) -> list:
         """control/gather.py's wait, with this run's ping timeout and the stop that releases cache pins; `queued`:
         calls made after these, waited for (up to timeouts.collective_s) before a failure's pings. `timeout`: a
-        wait of another length (a join's); none, a step's work: timeouts.step_s, which a failure then names."""
+        wait of another length (a join's); none, a step's work: timeouts.step_s, which a failure then names. `stop`:
+        what ends the others' work at a failure (a step's)."""
         t = self.cfg.timeouts
         if timeout is None:
-            return gather(refs, among, what, t.step_s, t.ping_s, self.retire, queued, t.collective_s, "timeouts.step_s")
-        return gather(refs, among, what, timeout, t.ping_s, self.retire, queued, t.collective_s)
+            name = "timeouts.step_s"
+            return gather(refs, among, what, t.step_s, t.ping_s, self.retire, queued, t.collective_s, name, stop)
+        return gather(refs, among, what, timeout, t.ping_s, self.retire, queued, t.collective_s, stop=stop)
 
     def retire(self, workers: list) -> None:
         """Stop workers for good, and release the shard-cache pins they held (a killed reader cannot)."""

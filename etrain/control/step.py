@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import ray
@@ -110,7 +111,8 @@ class Stepper:
             self.ahead = self.send(n + 1, at.cursor + sent.batch, workers, ahead=True)
         try:
             queued = self.ahead.refs if self.ahead is not None else ()
-            reports: list[StepReport] = self.team.gather(sent.refs, workers, f"step {n}", queued=queued)
+            stop = partial(stop_step, workers, self.team.generation, n)  # at a failure: the others end the step
+            reports: list[StepReport] = self.team.gather(sent.refs, workers, f"step {n}", queued=queued, stop=stop)
         except WorkersLost as gone:
             self.drop_ahead()
             survivors = [done for w, done in zip(sent.workers, gone.finished) if w not in gone.lost]
@@ -271,6 +273,12 @@ class Stepper:
         self.log.dashboard.pool(self.team.pool.ready())
         self.saver.stepped(at.step, at.cursor, batch)
         self.team.stepped()
+
+
+def stop_step(workers: list, generation: int, n: int) -> None:
+    """Step `n` of group `generation` lost a member: the others end it (the actor's `stop_step`), not waited for."""
+    for w in workers:
+        w.stop_step.remote(generation, n)
 
 
 def evaluate(team, eval_ids: np.ndarray, faults: dict | None = None) -> float | None:

@@ -124,6 +124,7 @@ class TrainWorker:
         """Enter the process group of `generation` (a fresh store prefix per membership). With a layout: the step
         whose state this rank holds for its place (-1: none, its twin's is needed)."""
         timeouts = self.cfg.timeouts
+        self.engine.generation = generation
         store = (
             self._store
             if rank == 0
@@ -158,6 +159,14 @@ class TrainWorker:
                 time.sleep(0.01)
         finally:
             self._meeting = None
+
+    @ray.method(concurrency_group="control")
+    def stop_step(self, generation: int, step: int) -> None:
+        """Answered beside the running call: a member of step `step` of group `generation` is lost (control/gather.py),
+        so that step cannot commit. This rank ends it before its next micro-batch, instead of computing into an
+        all-reduce that fails once it gets there: the recovery waits for that (a kill's detection was the survivors'
+        compute). The group's redo of the step is another generation's: a late stop does not end it."""
+        self.engine.stopped = (generation, step)
 
     @ray.method(concurrency_group="control")
     def release(self) -> bool:

@@ -43,9 +43,16 @@ class WorkerIO:
         return torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
 
 
+class StepStopped(RuntimeError):
+    """A step ended by the coordinator (the actor's `stop_step`): a member of it was lost."""
+
+
 class Engine:
     sync: GradSync | None = None  # the gradient sync's hook, where a kill_in_allreduce fault dies (data parallel)
     link: Link | None = None  # a simulated link the gradient path's collectives wait for (fault kind link)
+    generation: int | None = None  # the group's, since this rank last joined one
+    stepping: int | None = None  # the step running, or last run
+    stopped: tuple[int, int] | None = None  # (generation, step) the coordinator ended: ended at its next micro-batch
     VERBS: tuple[str, ...] = ()  # a mode's own calls beside a step and the held-out measure (the actor's `call`)
 
     def __init__(self, cfg: Config, device: torch.device):
@@ -89,6 +96,7 @@ class Engine:
         """This worker's share of optimizer step `n` on the samples `ids` (compute.py): the step of every mode the
         coordinator's state machine runs. `link`: a simulated link's fault (link.py), in force from its step on."""
         started = time.perf_counter()
+        self.stepping = n
         self.link_to(link)
         rows, data = io.train_data.get(ids, cursor)
         done = train_on(self, io.tensor(rows), n, global_batch, lr_scale, max_norm, io.injected)
@@ -235,6 +243,8 @@ class Engine:
         chunks = rows.split(self.cfg.train.micro_batch)
         losses = []
         for i, chunk in enumerate(chunks):
+            if self.stopped == (self.generation, self.stepping):
+                raise StepStopped(f"step {self.stepping}: stopped, a member of it was lost")
             with nullcontext() if i == len(chunks) - 1 else quiet():
                 forward_started = time.perf_counter()
                 with self.autocast():
