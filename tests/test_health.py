@@ -302,3 +302,21 @@ def test_a_bad_drill_script_is_refused_naming_the_line_and_what_is_wrong(tmp_pat
         read_script(str(script), ranks=4)
     with pytest.raises(ConfigError, match="cannot be read"):
         read_script(str(tmp_path / "missing.jsonl"))
+
+
+def test_each_ranks_peer_median_is_statistics_median_of_the_others():
+    """Drift's peer medians from one sort (health.medians_of_others) equal the median of the other ranks' speeds,
+    exactly, for drawn worlds with ties, odd and even."""
+    import random
+    import statistics
+
+    from etrain.core.health import medians_of_others
+
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    rng = random.Random(seed)
+    for _ in range(200):
+        n = rng.randrange(2, 40)
+        speeds = [rng.choice([rng.uniform(0, 50), float(rng.randrange(5))]) for _ in range(n)]  # ties drawn too
+        expected = [statistics.median(speeds[:i] + speeds[i + 1 :]) for i in range(n)]
+        assert medians_of_others(speeds) == expected, speeds
