@@ -17,7 +17,7 @@ import gc
 import os
 import re
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from datetime import timedelta
 
 import psutil
@@ -45,6 +45,7 @@ from etrain.data.stream import StreamingReader
 from etrain.worker import zero_state
 from etrain.worker.engine import Engine, WorkerIO
 from etrain.worker.injection import Injected, apply, tick
+from etrain.worker.one_team import on_thread
 from etrain.worker.protocol import StepReport
 
 
@@ -70,14 +71,14 @@ class TrainWorker:
         if cfg.train.deterministic:  # cuBLAS needs its workspace fixed before CUDA starts
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
-        self.engine = make_engine(cfg, self.device)
+        # built on a thread of its own: one left on this (the main) thread would slow every step (one_team.py)
+        self.engine = on_thread("build", make_engine, cfg, self.device).result()
         self.manifest = manifest
         # the held-out split is small, read directly; the training split through the node's cache, once attached
         self.io = WorkerIO(ShardReader(manifest, "eval", cfg.data.cache_shards), Injected(), self.device)
         self._store: dist.TCPStore | None = None
         self._failed: int | None = None  # the step whose failure closed this rank's group, until it joins another
         self._meeting: threading.Event | None = None  # set while join waits for its peers: `release` ends the wait
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")  # one save at a time, off the step's path
         self._saving: Future | None = None
         self.peak_flops = peak_flops(self.device, cfg.train.precision)  # what MFU is measured against (None on CPU)
         self.marks["built"] = time.time()
@@ -265,7 +266,8 @@ class TrainWorker:
         parts, weights = self.engine.checkpoint_parts(level, path)
         if not parts and weights is None:
             return False
-        self._saving = self._writer.submit(self._write, path, level, parts, weights, base_hashes)
+        # one save at a time, off the step's path, on a thread that ends with it (one_team.py)
+        self._saving = on_thread("checkpoint", self._write, path, level, parts, weights, base_hashes)
         if not background:  # written when this returns; checkpoint_wait hands over the files or the error
             wait([self._saving])
         return True
