@@ -1,5 +1,5 @@
 """A worker's build and its checkpoint writes leave no OpenMP team behind (etrain/worker/one_team.py): a second team
-slowed every step of a run to 0.72x plain torch. Each case runs in a fresh interpreter: teams outlive the work."""
+slowed every step of a run to 0.72x plain torch. It runs in a fresh interpreter: a team outlives the work."""
 
 import json
 import subprocess

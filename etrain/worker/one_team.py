@@ -15,7 +15,8 @@ from concurrent.futures import Future
 
 
 def on_thread(name: str, fn, *args) -> Future:
-    """`fn(*args)` on a new thread that ends when it returns: its result or its error, in the future."""
+    """`fn(*args)` on a new thread that ends when it returns: its result or its error, in the future. Not a daemon:
+    a process that exits cleanly waits for a checkpoint write it started, as it did for the writer's pool thread."""
     out: Future = Future()
 
     def run() -> None:
@@ -24,5 +25,5 @@ def on_thread(name: str, fn, *args) -> Future:
         except BaseException as e:  # the caller's to raise, from the future
             out.set_exception(e)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    threading.Thread(target=run, name=name).start()
     return out
