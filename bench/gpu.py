@@ -93,6 +93,12 @@ SUBWORD = ("model.vocab_size=32768",)  # a subword vocabulary's head, not the by
 LLAMA_3_2 = ("model.ffn_dim=8192", "model.tie_weights=true", "model.rope_scaling.factor=32.0", "parallel.shard=1")
 
 
+def llama_3_2(layers: int, width: int, heads: int, batch: int, micro_batch: int, steps: int) -> Model:
+    """A Llama 3.2 shape in bf16, held to the MFU target."""
+    shape = (*LLAMA_3_2, f"model.n_layer={layers}", f"model.d_model={width}", f"model.n_head={heads}")
+    return Model("llama3-8b", "llama", shape, ("bf16",), batch, micro_batch, warmup=2, steps=steps, mfu_target=True)
+
+
 # Peak memory, estimated (measure() records it, and the memory model's prediction, per variant): 16 bytes a
 # parameter for fp32 weights, gradients and AdamW's moments, 2 for the bf16 copies autocast keeps for the backward,
 # and activations. Those were counted on CPU with saved-tensor hooks at 2,048 tokens: ~133 KB a token a layer at
@@ -102,12 +108,6 @@ LLAMA_3_2 = ("model.ffn_dim=8192", "model.tie_weights=true", "model.rope_scaling
 # 3B (3.213e9): 51.4 + 6.4 + 4,096 tokens x (28 x 169 KB + 1.3 MB) = 25 GB -> ~83 GB; a micro-batch of 4 would
 # be ~108 GB before the allocator's slack, too near the H200's 141 GB. No activation checkpointing here (the config
 # has none). The foreach AdamW step adds one fp32 temporary (4 bytes a parameter) once the activations are gone.
-def llama_3_2(layers: int, width: int, heads: int, batch: int, micro_batch: int, steps: int) -> Model:
-    """A Llama 3.2 shape in bf16, held to the MFU target."""
-    shape = (*LLAMA_3_2, f"model.n_layer={layers}", f"model.d_model={width}", f"model.n_head={heads}")
-    return Model("llama3-8b", "llama", shape, ("bf16",), batch, micro_batch, warmup=2, steps=steps, mfu_target=True)
-
-
 MODELS = {
     "gpt": Model("gpu-125m", "gpt", SUBWORD, PRECISIONS, batch=32, micro_batch=16, warmup=3, steps=10),
     "llama": Model(
