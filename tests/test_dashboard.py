@@ -91,7 +91,8 @@ def test_metrics_status_and_report_of_a_live_run(ray_session, make_cfg, capsys):
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             values = scrape(ray_session, "watched")
-            if all(k in values for k in WANTED):
+            # Ray may export the scale event's counter and the world-size gauge in different flushes.
+            if all(k in values for k in WANTED) and values[("ray_etrain_world_size", "")] == 2:
                 seen["scraped"], seen["records"] = values, records(run_dir, "train")
                 seen["stopped_at"] = seen["records"][-1]["step"]
                 # Between events (no checkpoint, evaluation or scale event for a while) every series stays.
@@ -101,7 +102,9 @@ def test_metrics_status_and_report_of_a_live_run(ray_session, make_cfg, capsys):
                     seen["later"].append([k for k in WANTED if k not in scrape(ray_session, "watched")])
                 return
             time.sleep(0.5)
-        seen["missing"] = [k for k in WANTED if k not in scrape(ray_session, "watched")]
+        values = scrape(ray_session, "watched")
+        world_size = values[("ray_etrain_world_size", "")]
+        seen["missing"] = [k for k in WANTED if k not in values] or [f"world_size {world_size}, not 2"]
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
