@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    cfg = load_config(None, ["prepare.min_words=10", "data.eval_fraction=0.05"])
+    cfg = load_config(None, ["prepare.min_words=10", "data.eval_fraction=0.05", "prepare.engine=ray"])
     docs = corpus(args.docs)
     verdict(docs[0], ["en"], 0.8)  # the model loads once, outside the timing
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning")

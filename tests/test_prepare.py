@@ -1,4 +1,5 @@
-"""`etrain prepare` end to end on a real local Ray (Ray Data) and a local S3 server."""
+"""`etrain prepare` end to end on a real local Ray (Ray Data, or a small corpus in this process) and a local S3
+server."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from etrain.cli import main
-from etrain.core.config import ConfigError
+from etrain.core.config import ConfigError, load_config
 from etrain.data import scripts, tokenizer
+from etrain.data.prepare import LOCAL_BYTES, engine
 from etrain.data.shards import ShardReader
 from etrain.driver.job import new_run_dir, train
 
@@ -142,12 +144,34 @@ def test_prepare_is_deterministic_and_never_overwrites(sources, prepared, tmp_pa
     assert json.loads((again / "manifest.json").read_text())["splits"] == json.loads(before)["splits"]
 
 
+def test_the_ray_engine_and_the_local_one_write_the_same_files(sources, tmp_path):
+    """prepare.engine: Ray Data across the cluster, or (a small corpus, by default) the same stages in this process;
+    every file each writes is the same byte for byte, through the language check and a learned tokenizer."""
+    options = ["--set", "prepare.languages=[en]", "--set", "prepare.tokenizer={train: bpe, vocab_size: 400}"]
+    for kind in ("ray", "local"):
+        assert run_prepare(sources, str(tmp_path / kind), *options, "--set", f"prepare.engine={kind}") == 0
+    written = {
+        kind: sorted(p.relative_to(tmp_path / kind) for p in (tmp_path / kind).rglob("*")) for kind in ("ray", "local")
+    }
+    assert written["ray"] == written["local"] and len(written["ray"]) >= 6
+    for name in written["ray"]:
+        assert (tmp_path / "ray" / name).read_bytes() == (tmp_path / "local" / name).read_bytes(), name
+
+
+def test_auto_prepares_a_small_corpus_in_this_process_and_a_large_one_with_ray_data():
+    cfg = load_config(None, [])
+    assert cfg.prepare.engine == "auto"
+    assert engine([{"bytes": LOCAL_BYTES // 2}] * 2, cfg) == "local"
+    assert engine([{"bytes": LOCAL_BYTES // 2}] * 2 + [{"bytes": 1}], cfg) == "ray"
+    assert engine([{"bytes": 1}], load_config(None, ["prepare.engine=ray"])) == "ray"
+
+
 def test_prepare_and_train_on_s3(sources, s3_bucket, make_cfg, tmp_path):
     fs = fsspec.filesystem("s3")
     fs.put(str(sources) + "/", f"{s3_bucket}/raw/", recursive=True)
     out = f"{s3_bucket}/corpus"
     args = [f"{s3_bucket}/raw/docs", f"{s3_bucket}/raw/more.jsonl", f"{s3_bucket}/raw/table.parquet"]
-    assert main(["prepare", *args, "--out", out, *OPTIONS]) == 0
+    assert main(["prepare", *args, "--out", out, *OPTIONS, "--set", "prepare.engine=ray"]) == 0  # Ray Data's reads
     report = json.loads(fs.cat(f"{out}/report.json"))
     assert report["documents_read"] == report["documents_kept"] + report["documents_rejected"] == 30
     cfg = make_cfg(f"data.source={out}/manifest.json", "train.steps=4", "train.global_batch=8", "checkpoint.every=2")

@@ -16,7 +16,7 @@ def add_command(sub) -> None:
         sub,
         "prepare",
         cmd_prepare,
-        "turn raw documents into training shards (Ray Data)",
+        "turn raw documents into training shards (Ray Data; a small corpus in this process)",
         "etrain prepare docs/ dump.jsonl --out corpus/ --field body",
         "etrain prepare s3://raw/crawl/ --out s3://bucket/corpus --storage-option endpoint_url=http://127.0.0.1:9000",
     )
@@ -40,7 +40,7 @@ def add_command(sub) -> None:
 
 def cmd_prepare(args, started_at: float) -> int:
     from etrain.core.config import load_config
-    from etrain.data.prepare import open_output, prepare
+    from etrain.data.prepare import engine, expand, open_output, prepare
     from etrain.driver.job import connect
 
     sugar = [f"prepare.jsonl_field={args.field}"] * bool(args.field)
@@ -49,7 +49,8 @@ def cmd_prepare(args, started_at: float) -> int:
     storage = dict(_parse_option(o) for o in args.storage_option)
     open_output(args.out, storage)  # a wrong option or an unreachable endpoint, named before Ray starts
     _check_tokenizer(cfg)
-    connect(cfg)
+    if engine(expand(args.src, storage)[0], cfg) == "ray":
+        connect(cfg)
     report = prepare(args.src, args.out, cfg, overwrite=args.overwrite, storage=storage, progress=not args.no_progress)
     print(json.dumps(report, indent=1))
     out = args.out.rstrip("/")

@@ -12,8 +12,6 @@ A document is judged paragraph by paragraph, so a mixed-language one is kept onl
 
 from __future__ import annotations
 
-import pyarrow as pa
-
 MIN_CHUNK = 80  # characters: a shorter paragraph says little about its language, so it joins the next one
 
 
@@ -64,13 +62,9 @@ def verdict(text: str, allowed: list[str], min_share: float) -> str | None:
     return f"{share:.0%} in {'/'.join(allowed)} (below {min_share:.0%}): {mix}"
 
 
-def check(batch: pa.Table, allowed: list[str], min_share: float) -> pa.Table:
-    """A Ray Data batch of inspected documents: the kept ones in no allowed language are rejected as `language`,
-    their text dropped (as every rejected document's is)."""
-    reasons, details, texts = (batch.column(c).to_pylist() for c in ("reason", "detail", "text"))
-    for i, text in enumerate(texts):
-        if reasons[i] is None and (why := verdict(text, allowed, min_share)) is not None:
-            reasons[i], details[i], texts[i] = "language", why, ""
-    for name, values in (("reason", reasons), ("detail", details), ("text", texts)):
-        batch = batch.set_column(batch.schema.get_field_index(name), name, pa.array(values, pa.string()))
-    return batch
+def check(doc: dict, allowed: list[str], min_share: float) -> dict:
+    """An inspected document: a kept one in no allowed language is rejected as `language`, its text dropped (as
+    every rejected document's is)."""
+    if doc["reason"] is None and (why := verdict(doc["text"], allowed, min_share)) is not None:
+        doc.update(reason="language", detail=why, text="")
+    return doc

@@ -48,6 +48,11 @@ class PrepareConfig(Section):
         "model's); or {train: bpe, vocab_size: N} to learn one from the corpus. Kept with the shards",
     )
 
+    engine: Literal["auto", "ray", "local"] = Field(
+        "auto",
+        description="ray (Ray Data, across the cluster), local (in this process: no Ray start-up per stage), or auto "
+        "(local for inputs up to 8 MiB). The output is the same byte for byte",
+    )
     jsonl_field: str = Field("text", description="JSONL key holding a document's text")
     parquet_column: str = Field("text", description="Parquet column holding a document's text")
     min_words: int = Field(20, ge=1, description="shorter documents are rejected as too_short")
