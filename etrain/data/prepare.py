@@ -41,8 +41,8 @@ from etrain.data.local_rows import Rows
 from etrain.data.shards import SplitWriter, pack_rows, write_manifest
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
-# prepare.engine=auto: inputs up to this size are prepared in this process. Measured here (2 cores): 7.7 MB of
-# JSONL prose took 33 s in this process, and Ray Data's stages cost ~30 s of start-up before any work.
+# prepare.engine=auto: inputs up to this size are prepared in this process, about 30 s of work for one core
+# (bench/prepare_engine.py: 7.1 MB in 28 s, where a warm 2-CPU Ray Data took 51 s); above it, Ray Data.
 LOCAL_BYTES = 8 * 2**20
 
 
