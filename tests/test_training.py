@@ -61,6 +61,37 @@ def test_two_workers_gradient_equals_single_process(make_cfg, weights, tmp_path)
     assert reference.abs().max().item() > 1e-3  # the comparison is not between zeros
 
 
+@ray.remote(num_cpus=0)
+class HandleHolder:
+    """A process that is handed worker handles, as the coordinator is."""
+
+    def __init__(self, workers: list):
+        import sys
+
+        self.workers, self.torch = workers, "torch" in sys.modules
+
+    def ask(self) -> tuple[bool, list[int]]:
+        import sys
+
+        pids = ray.get([w.info.remote() for w in self.workers])
+        return self.torch or "torch" in sys.modules, [p["pid"] for p in pids]
+
+
+def test_a_process_handed_worker_handles_calls_them_without_importing_torch(make_cfg):
+    """Ray loads an actor's class wherever a handle to it arrives: the worker's module imported torch there, ~3 s
+    of the coordinator's start and ~300 MB it never used."""
+    cfg = make_cfg()
+    workers = spawn(cfg, ensure_corpus(cfg), 1)
+    holder = HandleHolder.remote(workers)
+    try:
+        imported, pids = ray.get(holder.ask.remote())
+        assert not imported and pids[0] > 0
+    finally:
+        ray.kill(holder)
+        for w in workers:
+            ray.kill(w)
+
+
 def test_loss_drops_and_run_dir_is_complete(make_cfg):
     cfg = make_cfg("train.steps=60", "train.eval_every=30", "checkpoint.every=30")
     run_dir = new_run_dir(cfg)

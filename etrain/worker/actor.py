@@ -5,6 +5,10 @@ I/O. What a step does with the model is its engine's (engine.py): the one its mo
 A worker is built (torch imported, model and optimizer made, data opened)
 before it joins a process group, so joining is cheap: the coordinator keeps
 such workers warm in a pool (etrain/control/pool.py) and re-forms groups of live ones.
+
+torch is imported where it is used, not by this module: Ray loads the actor's class in every process that receives
+a handle to a worker, the coordinator first, which had spent ~3 s of its start (on cores the starting workers share)
+and ~300 MB importing torch it never calls.
 """
 
 from __future__ import annotations
@@ -19,11 +23,10 @@ import re
 import threading
 from concurrent.futures import Future, wait
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import psutil
 import ray
-import torch
-import torch.distributed as dist
 
 from etrain.core.checkpoint import (
     DCP,
@@ -42,11 +45,15 @@ from etrain.core.modes import mode_of
 from etrain.data.order import Layout, take
 from etrain.data.shards import ShardReader
 from etrain.data.stream import StreamingReader
-from etrain.worker import zero_state
-from etrain.worker.engine import Engine, WorkerIO
 from etrain.worker.injection import Injected, apply, tick
 from etrain.worker.one_team import on_thread
 from etrain.worker.protocol import StepReport
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from etrain.worker.engine import Engine
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -63,6 +70,10 @@ def make_engine(cfg: Config, device: torch.device) -> Engine:
 
 class TrainWorker:
     def __init__(self, cfg_dict: dict, manifest: str):
+        import torch
+
+        from etrain.worker.engine import WorkerIO
+
         # wall-clock times of this worker's start (JOIN_PHASES): what a joiner's arrival cost, in its membership record
         self.marks = {"process": psutil.Process().create_time(), "loading": LOADING, "init": time.time()}
         self.cfg = cfg = Config.model_validate(cfg_dict)
@@ -115,6 +126,8 @@ class TrainWorker:
 
     def host_store(self) -> tuple[str, int]:
         """Serve the TCPStore the group meets at (rank 0 of a generation does this)."""
+        import torch.distributed as dist
+
         timeout = timedelta(seconds=self.cfg.timeouts.join_s)
         self._store = dist.TCPStore(
             ray.util.get_node_ip_address(), 0, is_master=True, wait_for_workers=False, timeout=timeout
@@ -124,6 +137,8 @@ class TrainWorker:
     def join(self, rank: int, world: int, host: str, port: int, generation: int) -> int | None:
         """Enter the process group of `generation` (a fresh store prefix per membership). With a layout: the step
         whose state this rank holds for its place (-1: none, its twin's is needed)."""
+        import torch.distributed as dist
+
         timeouts = self.cfg.timeouts
         self.engine.generation = generation
         store = (
@@ -181,6 +196,8 @@ class TrainWorker:
 
     def leave(self) -> None:
         """Leave the group; the engine keeps what outlives it."""
+        import torch.distributed as dist
+
         self.engine.leave(failed=False)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -190,6 +207,8 @@ class TrainWorker:
         ones connected to it fail at once; the others would wait out timeouts.collective_s for data
         that never comes (and be taken for hung). Closing here makes them fail at once too (not with a
         layout: see laid_out.py `_exit_if_others_go_on`)."""
+        import torch.distributed as dist
+
         self.engine.leave(failed=True)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -209,6 +228,8 @@ class TrainWorker:
         """This worker's share of step `step` in its mode, with the step's fault and seed: its engine's `step` on
         `work`, the arguments its mode's stepper sends (a training step's samples, a PPO step's prompts, a
         parameter-server push's)."""
+        import torch
+
         if self._failed is not None:  # sent ahead of the step that failed (control/step.py): it cannot be committed
             raise RuntimeError(f"step {step} follows step {self._failed}, whose failure closed this rank's group")
         seed = self._begin(step, fault)
@@ -320,6 +341,8 @@ def assemble(parts: dict[str, bytes]) -> dict:
     if "optim.pt" in parts:
         optimizer = read_part(parts, "optim.pt")
     else:
+        from etrain.worker import zero_state
+
         shards = [read_part(parts, n) for n in sorted(parts) if re.fullmatch(r"optim-\d+\.pt", n)]
         optimizer = zero_state.merge(shards, read_part(parts, "optim-groups.pt"))
     # top-k's residuals, one file per rank of the group that saved: a light checkpoint's come from its base, another
