@@ -137,9 +137,9 @@ def test_bf16_autocast_trains(make_cfg):
 
 
 def test_exact_resume_with_checkpoints_on_s3(make_cfg, s3_bucket):
-    """Bitwise, as train.deterministic promises (an equal split): with the speed-based split a straggler seen in the
-    first steps changed the reference's split but not the resume's, and the losses differed in their last bits (a
-    failure seen once in this file's run, stop 53)."""
+    """Bitwise, as train.deterministic promises (an equal split). It failed once in a run of this file (stop 53; the
+    assertion's text was not kept) without it: the speed-based split is the one input here that depends on timing
+    (a straggler in the reference's first steps changes its split, not the resume's)."""
     steps = ["train.steps=6", "checkpoint.every=3", "train.eval_every=0", f"checkpoint.uri={s3_bucket}/ck"]
     steps.append("train.deterministic=true")
     cfg = make_cfg(*steps)
