@@ -78,8 +78,8 @@ class HandleHolder:
 
 
 def test_a_process_handed_worker_handles_calls_them_without_importing_torch(make_cfg):
-    """Ray loads an actor's class wherever a handle to it arrives: the worker's module imported torch there, ~3 s
-    of the coordinator's start and ~300 MB it never used."""
+    """Ray loads an actor's class wherever a handle to it arrives: the worker's module imported torch there, ~2 s
+    of the coordinator's start and 180 MB it never used."""
     cfg = make_cfg()
     workers = spawn(cfg, ensure_corpus(cfg), 1)
     holder = HandleHolder.remote(workers)

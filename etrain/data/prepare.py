@@ -5,8 +5,8 @@ read → normalise → quality filters → language (prepare.languages) → exac
 logical shard (source x length bucket) → ~`data.shard_bytes` physical shards.
 
 A corpus below LOCAL_BYTES (or any, with prepare.engine=local) runs the same stages in this process instead
-(etrain/data/local_rows.py), with the same output byte for byte: Ray Data's per-stage start-up costs a small corpus
-a minute for seconds of work.
+(etrain/data/local_rows.py), with the same output byte for byte: a small corpus waits on Ray Data's per-stage
+start-up far longer than its work takes.
 
 Every document read is accounted for: kept, or rejected with a reason in
 `quarantine.jsonl`; `report.json` adds it up (read = kept + rejected). The
@@ -156,7 +156,7 @@ def prepare(
 
 
 def engine(files: list[dict], cfg: Config) -> str:
-    """ "local" or "ray": prepare.engine, or with auto, local for inputs up to LOCAL_BYTES."""
+    """Which engine prepares `files`: prepare.engine, or with auto, "local" up to LOCAL_BYTES of input, else "ray"."""
     if cfg.prepare.engine != "auto":
         return cfg.prepare.engine
     return "local" if sum(f["bytes"] for f in files) <= LOCAL_BYTES else "ray"

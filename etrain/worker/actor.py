@@ -7,8 +7,8 @@ before it joins a process group, so joining is cheap: the coordinator keeps
 such workers warm in a pool (etrain/control/pool.py) and re-forms groups of live ones.
 
 torch is imported where it is used, not by this module: Ray loads the actor's class in every process that receives
-a handle to a worker, the coordinator first, which had spent ~3 s of its start (on cores the starting workers share)
-and ~300 MB importing torch it never calls.
+a handle to a worker, the coordinator first, which had spent ~2 s of its start (on cores the starting workers share)
+and 180 MB of memory importing torch it never calls.
 """
 
 from __future__ import annotations
