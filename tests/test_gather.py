@@ -29,6 +29,16 @@ class Member:
         return False
 
 
+def dead_by(actor, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.info.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed actor still answers")
+
+
 def test_answers_come_back_in_the_order_asked_and_a_failure_is_named(rng):
     members = [Member.remote() for _ in range(12)]
     retired = []
@@ -46,6 +56,7 @@ def test_answers_come_back_in_the_order_asked_and_a_failure_is_named(rng):
 
         dead = rng.randrange(12)
         ray.kill(members[dead])
+        dead_by(members[dead], time.monotonic() + 30)  # a call sent before the kill lands would still be answered
         refs = [m.answer.remote(i, 0.0) for i, m in enumerate(members)]
         with pytest.raises(WorkersLost) as lost:
             gather(refs, members, "a step", 30, 5, retired.extend)
