@@ -40,7 +40,7 @@ def add_command(sub) -> None:
 
 def cmd_prepare(args, started_at: float) -> int:
     from etrain.core.config import load_config
-    from etrain.data.prepare import engine, expand, open_output, prepare
+    from etrain.data.prepare import open_output, prepare
     from etrain.driver.job import connect
 
     sugar = [f"prepare.jsonl_field={args.field}"] * bool(args.field)
@@ -49,9 +49,15 @@ def cmd_prepare(args, started_at: float) -> int:
     storage = dict(_parse_option(o) for o in args.storage_option)
     open_output(args.out, storage)  # a wrong option or an unreachable endpoint, named before Ray starts
     _check_tokenizer(cfg)
-    if engine(expand(args.src, storage)[0], cfg) == "ray":
-        connect(cfg)
-    report = prepare(args.src, args.out, cfg, overwrite=args.overwrite, storage=storage, progress=not args.no_progress)
+    report = prepare(
+        args.src,
+        args.out,
+        cfg,
+        overwrite=args.overwrite,
+        storage=storage,
+        progress=not args.no_progress,
+        start_ray=lambda: connect(cfg),
+    )
     print(json.dumps(report, indent=1))
     out = args.out.rstrip("/")
     print(

@@ -24,6 +24,7 @@ import shutil
 import sys
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -56,10 +57,16 @@ STAGES = (
 
 
 def prepare(
-    srcs: list[str], out: str, cfg: Config, overwrite: bool = False, storage: dict | None = None, progress: bool = True
+    srcs: list[str],
+    out: str,
+    cfg: Config,
+    overwrite: bool = False,
+    storage: dict | None = None,
+    progress: bool = True,
+    start_ray: Callable[[], None] | None = None,
 ) -> dict:
     """Each stage is a Ray Data run with its own per-operator progress (or, for a small corpus, a pass in this
-    process); the stage bar says which of them is running."""
+    process); the stage bar says which of them is running. `start_ray` is called only when Ray Data runs."""
     storage = storage or {}
     known = language.known() if cfg.prepare.languages else set()
     if unknown := sorted(set(cfg.prepare.languages) - known):
@@ -75,6 +82,8 @@ def prepare(
     files, missing = expand(srcs, storage)
     local = engine(files, cfg) == "local"
     if not local:
+        if start_ray is not None:
+            start_ray()
         ray.data.DataContext.get_current().enable_progress_bars = progress
     with tqdm(
         total=len(STAGES), unit="stage", desc=f"prepare: {STAGES[0]}", disable=not progress, file=sys.stderr
