@@ -23,7 +23,7 @@ Each variant runs in a fresh process, --rounds times interleaved; bench/results/
 their spread. CPU figures: a step here is ~0.1-0.3 s, so the fixed costs of a recovery (detection, re-forming the
 group, the first step's warm-up) weigh far more per failure than on GPU steps of seconds.
 
-    python bench/chaos.py [--steps 100] [--every 5 20 100] [--rounds 3] [--only ours-K20 ...]
+    python bench/chaos.py [--steps 100] [--every 5 20 100] [--rounds 3] [--only ours-K20 ...] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def variants(everies: list[int]) -> list[str]:
 
 def run_variant(args, variant: str) -> dict:
     who, k = variant.split("-K")
-    return (run_ours if who == "ours" else run_ray_train)(args, int(k))
+    return run_ours(args, int(k), tuple(args.set)) if who == "ours" else run_ray_train(args, int(k))
 
 
 def measure(args, variant: str) -> dict:
@@ -222,7 +222,7 @@ def measure(args, variant: str) -> dict:
 
 def forward(args) -> list[str]:
     out = ["--steps", str(args.steps), "--batch", str(args.batch), "--seed", str(args.seed)]
-    return out + ["--ckpt-every", str(args.ckpt_every), "--data", args.data]
+    return out + ["--ckpt-every", str(args.ckpt_every), "--data", args.data, "--set", *args.set]
 
 
 def main() -> None:
@@ -236,6 +236,7 @@ def main() -> None:
     p.add_argument("--only", nargs="+", help="variants to run (ours-K20, raytrain-K0, ...)")
     p.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "etrain-bench-data"))
     p.add_argument("--out", default=str(RESULTS / "chaos.json"), help="'' to write nothing")
+    p.add_argument("--set", nargs="*", default=[], help="config overrides for our runs (an A/B of a setting)")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.variant:
