@@ -326,11 +326,8 @@ def spawn(cfg: Config, manifest: str, count: int, avoid: set[str] = frozenset())
     cluster = cfg.cluster
     # `release` has a thread of its own: it must answer while a join waits for its peers
     away = {"label_selector": {"ray.io/node-id": f"!in({','.join(sorted(avoid))})"}} if avoid else {}
-    # Ray's workers read their niceness from this variable as they start (its job supervisor sets it the same way)
-    nice = cluster.worker_niceness
-    env = {} if nice is None else {"runtime_env": {"env_vars": {"RAY_worker_niceness": str(nice)}}}
     remote = ray.remote(concurrency_groups={"control": 1})(TrainWorker).options(
-        num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker, max_restarts=0, **env, **away
+        num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker, max_restarts=0, **away
     )
     return [remote.remote(cfg.model_dump(), manifest) for _ in range(count)]
 

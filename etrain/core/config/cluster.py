@@ -14,15 +14,6 @@ class ClusterConfig(Section):
     gpus_per_worker: float = Field(0, ge=0, description="> 0 trains on CUDA with NCCL")
     address: str | None = Field(None, description="Ray address; default RAY_ADDRESS or a new local instance")
     warm_pool: int = Field(1, ge=0, description="built workers kept outside the group for joins and replacements")
-    worker_niceness: int | None = Field(
-        0,
-        ge=0,
-        le=19,
-        description="the CPU niceness of the training workers. Ray starts its workers at 15, below its own daemons "
-        "and the driver, which took 14 % of a worker's step on two busy cores (bench/models.py); 0 is a plain "
-        "torch process's. A worker given one starts in a process of its own (~1 s) rather than one Ray keeps ready; "
-        "null: Ray's",
-    )
     max_workers: int | None = Field(
         None,
         ge=1,
