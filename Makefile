@@ -23,7 +23,7 @@ test: $(STAMP)  ## lint and format check (ruff), then the whole test suite on on
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
 
-test-unit: $(STAMP)  ## the tests that start no Ray and no process group (about a minute): the loop while editing
+test-unit: $(STAMP)  ## the tests that start no Ray and no process group (about two minutes): the loop while editing
 	$(PY) -m pytest -m unit -q
 
 test-campaign: $(STAMP)  ## the scenarios of minutes `make test` leaves out (an autoscaler's cluster: the README recipe, preemption, the health drill); run before changing scaling, draining or health
