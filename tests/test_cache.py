@@ -158,3 +158,39 @@ def test_a_brief_object_store_outage_is_retried(make_cfg, s3_bucket, s3_faults, 
     assert Path(got["path"]).exists() and cache.stats()["retries"] >= 1
     cache.close()
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+@ray_test
+def test_the_coordinator_reads_the_caches_counts_in_one_get_and_a_dead_cache_as_gone(corpus, tmp_path):
+    """etrain/control/data_plane.py's `_answers`: every live cache's counts, and None for one whose node is gone
+    (drawn), however many caches there are."""
+    import random
+
+    from etrain.control.data_plane import _answers
+
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    count = rng.randrange(2, 5)
+    dead = rng.randrange(count)
+    print(f"seed {seed}: {count} caches, cache {dead} killed")
+    caches = [start_cache(corpus, tmp_path / str(i))[0] for i in range(count)]
+    ray.get([c.stats.remote() for c in caches])
+    ray.kill(caches[dead])
+
+    def gone() -> bool:
+        try:
+            ray.get(caches[dead].stats.remote(), timeout=5)
+            return False
+        except ray.exceptions.RayActorError:
+            return True
+
+    wait_until("the killed cache is dead", gone)
+    refs = [c.stats.remote() for c in caches]
+    ray.wait(refs, num_returns=len(refs))
+    answers = _answers(refs)
+    live = [r for i, r in enumerate(refs) if i != dead]
+    assert answers[refs[dead]] is None
+    assert all(answers[r]["fetched_shards"] >= 0 for r in live)
+    assert _answers(live) == {r: answers[r] for r in live}  # all alive: the one get
+    for c in caches:
+        ray.kill(c)
