@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import threading
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import ray
 
+from etrain.control.data_plane import _answers
 from etrain.data import order
 from etrain.data.cache import ShardCache
 from etrain.data.embedded import ensure_corpus
@@ -164,10 +166,6 @@ def test_a_brief_object_store_outage_is_retried(make_cfg, s3_bucket, s3_faults, 
 def test_the_coordinator_reads_the_caches_counts_in_one_get_and_a_dead_cache_as_gone(corpus, tmp_path):
     """etrain/control/data_plane.py's `_answers`: every live cache's counts, and None for one whose node is gone
     (drawn), however many caches there are."""
-    import random
-
-    from etrain.control.data_plane import _answers
-
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     count = rng.randrange(2, 5)
