@@ -8,8 +8,10 @@ method at once and returns a real ObjectRef of its result (`ray.put`), so `ray.w
 run unchanged on a real local Ray. A fake equals and hashes as Ray's ActorHandle does (by an actor id, in Python),
 so the coordinator's dicts and `in` tests cost what they cost with real handles. A fake that dies answers every
 call with a ref of a real killed actor (RayActorError); a worker whose step fails answers with a RayTaskError.
-The warm pool's `spawn`, `ray.kill`, the node caches and the telemetry actors are redirected to fakes while a
-session runs (`redirected`); the coordinator's code is not changed for it.
+The warm pool's `spawn`, `ray.kill`, the node caches, the node relays and the telemetry actors are redirected to
+fakes while a session runs (`redirected`); the coordinator's code is not changed for it. From cluster.relay_from
+members on (64), a step goes to each node's relay (etrain/control/relay.py), which calls its 8 members: each such
+size also runs as `direct-N`, the same coordinator calling every member itself (relay_from=0), the ratio beside.
 
 A step takes no time on the workers (a set step time of zero): a step's wall time is the coordinator's. What the
 fakes themselves spend (their `ray.put`, ~0.5 ms each here) is timed and subtracted: each figure is the
@@ -25,9 +27,9 @@ coordinator's own time. Per size, one session (a fresh coordinator) runs:
 5. memory (a session of its own, under tracemalloc): the coordinator's Python heap after the 23 steps, and its
    peak, less what the fake workers themselves hold.
 
-Calibration: the same session with the fakes as real Ray actors (no torch; `--actors N`, 32 by default) beside the
-in-process session of that size: the real actors' calls cost Ray's submission and transfer, which the in-process
-figures leave out.
+Calibration: the same session with the fakes as real Ray actors (no torch; `--actors N`, 32 by default), through
+real relay actors (relay_from=8), beside the in-process session of that size and config: the real actors' calls
+cost Ray's submission and transfer, which the in-process figures leave out.
 
 Every variant runs once a round, --rounds rounds, interleaved (bench/rounds.py); each figure is the median over
 the rounds with its spread. The slope of each curve on log-log axes says how it grows with N (1: linear, 2:
@@ -67,6 +69,8 @@ NODE = 8  # workers per (fake) node: a scale-out brings one node of them
 SCENARIOS = ("step", "recover", "scale_out", "checkpoint")
 STEP_BUDGET_MS = 20.0  # 2 % of a 1 s step
 CHANGE_RATIO = 3.0  # a member change at the largest size, against the smallest
+DIRECT = ("cluster.relay_from=0",)  # the `direct-N` variant: a call per member, no node relays (the peer)
+CALIBRATED = (f"cluster.relay_from={NODE}",)  # the calibration's sessions: through real relays, a node's 8 each
 
 
 # -- the fake workers ------------------------------------------------------------------
@@ -183,6 +187,34 @@ class FakeCache:
 
     def close(self) -> None:
         pass
+
+
+class FakeRelay:
+    """A node's relay (etrain/control/relay.py) in this process: its members' steps run here, every one of them
+    called (as the real relay submits them all), and the answer names the first that failed."""
+
+    def step(self, n: int, generation: int, handles: list | None, works: list[dict], faults: list):
+        from etrain.control.relay import Relayed
+
+        if handles is not None:
+            self.members = handles
+        out = Relayed([None] * len(works), [False] * len(works))
+        for i, (h, work, fault) in enumerate(zip(self.members, works, faults)):
+            try:
+                if h.dead:
+                    raise ray.exceptions.RayActorError()
+                out.results[i], out.back[i] = h.target.step(n, work, fault), True
+            except Died:
+                h.dead, error = True, ray.exceptions.RayActorError()
+            except ray.exceptions.RayActorError as e:
+                error = e
+            except Exception as e:
+                error = ray.exceptions.RayTaskError("step", traceback.format_exc(), e)
+            else:
+                continue
+            if out.failed is None:
+                out.failed, out.error = i, error
+        return out
 
 
 class FakeTelemetry:
@@ -314,6 +346,7 @@ def redirected(fleet: Fleet):
     import etrain.worker
     from etrain.control import telemetry
     from etrain.control.data_plane import DataPlane
+    from etrain.control.relay import NodeRelay, Relays
 
     def start_caches(self, nodes: set[str], cursor: int) -> None:
         for node in nodes - set(self.caches):
@@ -326,15 +359,23 @@ def redirected(fleet: Fleet):
         else:
             real_kill(actor, *args, **kwargs)
 
-    real_kill, real_start, real_caches = ray.kill, telemetry.start, DataPlane.start_caches
+    def start_relay(self, node: str):
+        if fleet.actors:  # beside the real actors, wherever Ray puts it (their nodes are names, not Ray's nodes)
+            self.actors[node] = relay = ray.remote(NodeRelay).options(num_cpus=0).remote()
+        else:
+            self.actors[node] = relay = Handle(FakeRelay(), fleet)
+        return relay
+
+    real_kill, real_start, real_caches, real_relay = ray.kill, telemetry.start, DataPlane.start_caches, Relays._start
     etrain.worker.spawn, ray.kill, DataPlane.start_caches = fleet.spawn, kill, start_caches
-    telemetry.start = lambda node, sources: Handle(FakeTelemetry(), fleet)
+    telemetry.start, Relays._start = (lambda node, sources: Handle(FakeTelemetry(), fleet)), start_relay
     ray.get, ray.wait = timed(REAL_GET), timed(REAL_WAIT)
     try:
         yield
     finally:
         del etrain.worker.spawn  # etrain.worker's own __getattr__ serves it again
         ray.kill, telemetry.start, DataPlane.start_caches = real_kill, real_start, real_caches
+        Relays._start = real_relay
         ray.get, ray.wait = REAL_GET, REAL_WAIT
 
 
@@ -387,14 +428,14 @@ class Session:
     """A real Coordinator over `n` workers from `fleet`, turned by hand (Coordinator.run's loop, one turn at a
     time, each timed)."""
 
-    def __init__(self, n: int, fleet: Fleet, root: Path, steps: int):
+    def __init__(self, n: int, fleet: Fleet, root: Path, steps: int, extra: tuple[str, ...] = ()):
         from etrain.control.control import State
         from etrain.control.coordinator import Coordinator
         from etrain.core.checkpoint import checkpoint_uri
         from etrain.core.config import load_config
         from etrain.core.lease import acquire
 
-        self.n, self.steps, self.cfg = n, steps, load_config("tiny", overrides(n, root, steps))
+        self.n, self.steps, self.cfg = n, steps, load_config("tiny", [*overrides(n, root, steps), *extra])
         self.run_dir = root / f"run-{n}"
         self.run_dir.mkdir(parents=True)
         manifest = write_manifest(root)
@@ -446,12 +487,12 @@ class Session:
         release(self.lease)
 
 
-def run_session(n: int, fleet: Fleet, steps: int = 20, memory: bool = False) -> dict:
+def run_session(n: int, fleet: Fleet, steps: int = 20, memory: bool = False, extra: tuple[str, ...] = ()) -> dict:
     """One session's figures (ms; bytes with `memory`: then only the steps are run) and what it did (`facts`)."""
     with tempfile.TemporaryDirectory(prefix="scale-") as tmp, redirected(fleet):
         if memory:
             tracemalloc.start()
-        s = Session(n, fleet, Path(tmp), steps)
+        s = Session(n, fleet, Path(tmp), steps, extra)
         try:
             s.start()
             s.until(lambda: s.c.at.step >= WARM)
@@ -521,16 +562,26 @@ def facts(s: Session, states: list[str]) -> dict:
         "recoveries": s.c.team.recoveries,
         "checkpoints": [(r["step"], r["level"]) for r in of("checkpoint")],
         "parts": len(json.loads(Path(commit.removeprefix("file://")).read_text())["files"]),
+        "relays": len(s.c.stepper.relays.actors),
     }
 
 
 # -- the rounds, the fit, the report ---------------------------------------------------------
 
 
+def relayed(n: int) -> bool:
+    """Whether a session of `n` workers sends its steps through node relays by default (cluster.relay_from)."""
+    from etrain.core.config.cluster import ClusterConfig
+
+    return 0 < ClusterConfig.model_fields["relay_from"].default <= n
+
+
 def measure(variant: str, args) -> dict:
-    """One run of a variant: `fake-N` (in-process workers), `actors-N` (real Ray actors), `memory-N`."""
+    """One run of a variant: `fake-N` (in-process workers), `direct-N` (the same without node relays), `actors-N`
+    (real Ray actors, relayed) and `calib-N` (its in-process twin), `memory-N`."""
     kind, n = variant.rsplit("-", 1)
-    result = run_session(int(n), Fleet(actors=kind == "actors"), args.steps, memory=kind == "memory")
+    extra = {"direct": DIRECT, "calib": CALIBRATED, "actors": CALIBRATED}.get(kind, ())
+    result = run_session(int(n), Fleet(actors=kind == "actors"), args.steps, memory=kind == "memory", extra=extra)
     result.pop("facts", None)
     return result
 
@@ -574,8 +625,16 @@ def analyse(medians: dict, sizes: list[int], actors: int) -> dict:
     for t in targets.values():
         t["met"] = t["value"] <= t["limit"]
     report = {"figures": figures, "slopes": slopes, "slopes_last_segment": last, "ratios": ratios, "targets": targets}
+    report["relays"] = {  # ours against the same coordinator calling each member (a size relayed by default)
+        n: {
+            k: {"relayed": (a := med[n][k]), "direct": (b := medians[f"direct-{n}"][k]["median"]), "ratio": b / a}
+            for k in SCENARIOS
+        }
+        for n in sizes
+        if f"direct-{n}" in medians
+    }
     if actors:
-        real, fake = medians[f"actors-{actors}"], medians[f"fake-{actors}"]
+        real, fake = medians[f"actors-{actors}"], medians[f"calib-{actors}"]
         report["calibration"] = {
             k: {"actors": (a := real[k]["median"]), "in_process": (b := fake[k]["median"]), "ratio": a / b}
             for k in SCENARIOS
@@ -592,6 +651,9 @@ def table(report: dict) -> str:
         rows.append(f"{n:7d} {cells}   {m['memory_mb']:.2f} ({m['peak_mb']:.2f})")
     for name, key in (("slope", "slopes"), ("last two", "slopes_last_segment")):
         rows.append(f"{name:8s}" + "  ".join(f"{k} {v:.2f}" for k, v in report[key].items()))
+    for n, per in report["relays"].items():
+        shown = "  ".join(f"{k} {v['direct']:.1f} / {v['relayed']:.1f} = {v['ratio']:.2f}x" for k, v in per.items())
+        rows.append(f"at {n}, a call per member / node relays (ms): {shown}")
     return "\n".join(rows)
 
 
@@ -638,8 +700,9 @@ def main() -> None:
     os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"  # the failed step's answers no one reads (its survivors')
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning")
     names = [f"{kind}-{n}" for n in args.sizes for kind in ("fake", "memory")]
+    names += [f"direct-{n}" for n in args.sizes if relayed(n)]
     if args.actors:
-        names += [f"actors-{args.actors}"] + ([] if args.actors in args.sizes else [f"fake-{args.actors}"])
+        names += [f"actors-{args.actors}", f"calib-{args.actors}"]
     began = time.time()
     runs = interleaved(args.rounds, names, lambda v: measure(v, args), lambda v, r: line(v, r, began))
     report = analyse({v: summary(rs) for v, rs in runs.items()}, args.sizes, args.actors)

@@ -86,6 +86,29 @@ def test_a_step_sent_ahead_is_the_step_sent_after_and_a_failure_before_it_discar
         assert measured == {n: expected[n] for n in measured}
 
 
+def test_a_run_through_node_relays_replaces_a_lost_worker_and_stays_on_the_trajectory(make_cfg, reference, family):
+    """cluster.relay_from=2: each step reaches the members through their node's relay (etrain/control/relay.py),
+    one call per node. A worker lost at a step, rank and kind drawn from a seed: every step once, the reference's
+    losses (bitwise where the world came back at once), the recovery the one a direct call's failure leads to."""
+    rng = random.Random(seed := random.randrange(2**32))
+    step, rank, kind = rng.randrange(2, 59), rng.randrange(2), rng.choice(["kill", "kill_in_allreduce", "hang"])
+    print(f"seed {seed}: {kind} of rank {rank} at step {step}")
+    fault = f"faults=[{{rank: {rank}, step: {step}, kind: {kind}}}]"
+    run_dir = run(make_cfg, "relayed", *family, "train.steps=60", "train.eval_every=60", "cluster.relay_from=2", fault)
+    steps = records(run_dir, "train")
+    assert [r["step"] for r in steps] == list(range(1, 61))
+    # a relayed step is sent once the one before is back (a survivor alone, while the pool starts, is not relayed)
+    assert not any(r.get("sent_ahead") for r in steps if r["world_size"] >= 2)
+    [change, *_] = records(run_dir, "membership")
+    assert (change["reason"], change["lost"]) == ("recover", 1)
+    assert change["step"] in ((step - 1, step) if kind == "kill_in_allreduce" else (step - 1,))
+    expected = {r["step"]: r["loss"] for r in records(reference, "train")}
+    measured = {r["step"]: r["loss"] for r in steps if r.get("loss") is not None}
+    assert len(measured) >= 59 and all(abs(loss - expected[n]) < 1e-3 for n, loss in measured.items())
+    if all(r["world_size"] == 2 for r in steps):
+        assert measured == {n: expected[n] for n in measured}
+
+
 def test_autoscaling_grows_onto_free_room_with_linear_scaling(make_cfg):
     """The session's Ray has 4 CPUs: 2 workers and the pool worker leave room for one more."""
     cfg = make_cfg(

@@ -10,6 +10,7 @@ import ray
 
 from etrain.control.control import JobError
 from etrain.control.gather import WorkersLost, gather
+from etrain.control.relay import NodeRelay
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -21,6 +22,10 @@ class Member:
         if fail:
             raise ValueError(f"member {value} failed")
         return value
+
+    def step(self, n: int, work: dict, fault: dict | None = None) -> int:
+        """What a node relay calls (TrainWorker.step's signature)."""
+        return self.answer(work["value"], work["delay"], fault is not None)
 
     def info(self) -> dict:
         return {}
@@ -65,3 +70,52 @@ def test_answers_come_back_in_the_order_asked_and_a_failure_is_named(rng):
     finally:
         for m in members:
             ray.kill(m)
+
+
+def test_through_node_relays_the_answers_come_back_by_rank_and_a_failure_is_named(rng):
+    """Members spread over three relays at random (a relay's ranks need not be consecutive): the answers in rank
+    order; a member that fails, or dies, fails the wait as its own answer would, its rank named by `finished`."""
+    members = [Member.remote() for _ in range(10)]
+    relays = [ray.remote(NodeRelay).options(num_cpus=0).remote() for _ in range(3)]
+    retired = []
+    try:
+        placed = [rng.randrange(3) for _ in members]
+        spans = [[r for r, p in enumerate(placed) if p == i] for i in range(3)]
+        spans = [s for s in spans if s]
+        print(f"ranks by relay: {spans}")
+        delays = [rng.random() * 0.05 for _ in members]
+
+        def step(n: int, generation: int, faults: dict, first: bool = False) -> list:
+            return [
+                relays[placed[span[0]]].step.remote(
+                    n,
+                    generation,
+                    [members[r] for r in span] if first else None,
+                    [{"value": r, "delay": delays[r]} for r in span],
+                    [faults.get(r) for r in span],
+                )
+                for span in spans
+            ]
+
+        assert gather(step(1, 1, {}, first=True), members, "step 1", 30, 5, retired.extend, spans=spans) == list(
+            range(10)
+        )
+        bad = rng.randrange(10)
+        print(f"member {bad} fails")
+        with pytest.raises(JobError, match=f"step 2 failed on live workers.*member {bad} failed"):
+            gather(step(2, 1, {bad: {"kind": "raise"}}), members, "step 2", 30, 5, retired.extend, spans=spans)
+        assert retired == []
+        for ref in step(3, 2, {}):  # a group the relays were not sent
+            with pytest.raises(ray.exceptions.RayTaskError, match="holds the members of group 1, not of group 2"):
+                ray.get(ref)
+
+        dead = rng.randrange(10)
+        ray.kill(members[dead])
+        dead_by(members[dead], time.monotonic() + 30)
+        with pytest.raises(WorkersLost) as lost:
+            gather(step(4, 1, {}), members, "step 4", 30, 5, retired.extend, spans=spans)
+        assert lost.value.lost == [members[dead]] == retired
+        assert len(lost.value.finished) == 10 and lost.value.finished[dead] is False
+    finally:
+        for actor in members + relays:
+            ray.kill(actor)

@@ -41,13 +41,16 @@ def gather(
     queued_s: float = 0.0,
     timeout_name: str = "",
     stop: Callable[[], None] | None = None,
+    spans: list[list[int]] | None = None,
 ) -> list:
     """The results of `refs`, in order. `among` are the workers answerable for them (pinged on a failure). `queued`:
     calls made to them after these (a step sent ahead, control/step.py), which a worker ends before it can answer a
     ping: on a failure they are waited for, up to `queued_s`, so that a survivor busy in one is not taken for hung.
     `timeout_name`: the config key `timeout` comes from, named when it runs out. `stop`: called at the first failure,
     before the pings, to end the work the others still do for a call that can no longer succeed (a step: a ping
-    waits for it, and a recovery with it)."""
+    waits for it, and a recovery with it). `spans`: `refs` are node relays' (relay.py), `spans[i]` the ranks in
+    `among` the i-th answers for; the results are then the members', in rank order, and a relay's answer that
+    names a member's failure fails the wait as that member's own answer would."""
     results, pending, failed = {}, list(refs), None
     deadline = time.perf_counter() + timeout
     while pending and failed is None and time.perf_counter() < deadline:
@@ -58,6 +61,7 @@ def gather(
             done += more
         if (values := _all_of(done)) is not None:  # the usual case: one get for all the answers back
             results.update(zip(done, values))
+            failed = _relayed_failure(done, results) if spans is not None else None
             continue
         for ref in done:  # in the order asked, to the first failure: what a wait per answer read
             try:
@@ -70,8 +74,10 @@ def gather(
             except ray.exceptions.RayTaskError as e:
                 failed = e
                 break
+            if spans is not None and (failed := _relayed_failure([ref], results)) is not None:
+                break
     if failed is None and not pending:
-        return [results[r] for r in refs]
+        return [results[r] for r in refs] if spans is None else _by_rank(refs, spans, results, "results", None)
     named = f"{timeout_name}=" if timeout_name else ""
     cause = getattr(failed, "cause", failed) if failed is not None else f"no answer within {named}{timeout:g} s"
     details = "\n".join(filter(None, [str(failed) if failed is not None else None, getattr(cause, "details", None)]))
@@ -84,7 +90,8 @@ def gather(
         ray.wait(list(queued), num_returns=len(queued), timeout=queued_s)
     lost = find_lost(among, what, cause, ping_s, retire, details or None)
     said = why(cause) if isinstance(cause, BaseException) else str(cause)
-    raise WorkersLost(what, lost, [r in results for r in refs], said)
+    finished = [r in results for r in refs] if spans is None else _by_rank(refs, spans, results, "back", False)
+    raise WorkersLost(what, lost, finished, said)
 
 
 def _all_of(refs: list) -> list | None:
@@ -95,6 +102,27 @@ def _all_of(refs: list) -> list | None:
         return ray.get(refs)
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
         return None
+
+
+def _relayed_failure(done: list, results: dict):
+    """The first member's failure a relay's answer names (in the order asked), or None."""
+    for ref in done:
+        if (error := results[ref].error) is not None:
+            if isinstance(error, ray.exceptions.RayActorError) and error.actor_init_failed:
+                raise JobError(could_not_start(error)) from None
+            return error
+    return None
+
+
+def _by_rank(refs: list, spans: list[list[int]], results: dict, part: str, missing) -> list:
+    """The relays' answers' `part` (their members' results, or whether each was back) in rank order; `missing`
+    for the members of a relay that had not answered."""
+    out = [missing] * sum(len(s) for s in spans)
+    for ref, span in zip(refs, spans):
+        if ref in results:
+            for rank, value in zip(span, getattr(results[ref], part)):
+                out[rank] = value
+    return out
 
 
 def find_lost(

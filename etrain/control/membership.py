@@ -115,17 +115,17 @@ class Team:
     # -- waiting for workers ---------------------------------------------------
 
     def gather(
-        self, refs: list, among: list, what: str, timeout: float | None = None, queued: list = (), stop=None
+        self, refs: list, among: list, what: str, timeout: float | None = None, queued: list = (), stop=None, spans=None
     ) -> list:
         """control/gather.py's wait, with this run's ping timeout and the stop that releases cache pins; `queued`:
         calls made after these, waited for (up to timeouts.collective_s) before a failure's pings. `timeout`: a
         wait of another length (a join's); none, a step's work: timeouts.step_s, which a failure then names. `stop`:
-        what ends the others' work at a failure (a step's)."""
+        what ends the others' work at a failure (a step's); `spans`: `refs` are node relays' (relay.py)."""
         t = self.cfg.timeouts
         if timeout is None:
             name = "timeouts.step_s"
-            return gather(refs, among, what, t.step_s, t.ping_s, self.retire, queued, t.collective_s, name, stop)
-        return gather(refs, among, what, timeout, t.ping_s, self.retire, queued, t.collective_s, stop=stop)
+            return gather(refs, among, what, t.step_s, t.ping_s, self.retire, queued, t.collective_s, name, stop, spans)
+        return gather(refs, among, what, timeout, t.ping_s, self.retire, queued, t.collective_s, stop=stop, spans=spans)
 
     def retire(self, workers: list) -> None:
         """Stop workers for good, and release the shard-cache pins they held (a killed reader cannot)."""

@@ -69,6 +69,7 @@ class PPOStepper(Stepper):
             )
 
     def close(self) -> None:
+        super().close()
         for actor in self.scorers:
             ray.kill(actor)
 

@@ -21,6 +21,7 @@ import ray
 
 from etrain.control.control import due
 from etrain.control.gather import WorkersLost
+from etrain.control.relay import Relays
 from etrain.core.config import Config
 from etrain.core.modes import Mode
 from etrain.core.records import Balance, Outlier, Train
@@ -64,6 +65,7 @@ class Sent:
     started: float
     ahead: bool = False
     balance: Balance | None = None  # the split switched mode with this step (recorded as it commits)
+    spans: list[list[int]] | None = None  # sent through node relays: the ranks each of `refs` answers for
 
 
 class Stepper:
@@ -76,6 +78,7 @@ class Stepper:
         self.guards, self.faults, self.saver, self.log = guards, faults, saver, log
         self.tokens_per_sample = cfg.model.seq_len
         self.ahead: Sent | None = None  # the next step, sent before this one's reports came back
+        self.relays = Relays()
 
     def state(self) -> dict:
         """What checkpoints hold of the stepper (a PPO stepper's KL coefficient); none for training steps."""
@@ -101,7 +104,8 @@ class Stepper:
         """ValueError if this mode's steps cannot be split over `workers` members (a resize request)."""
 
     def close(self) -> None:
-        """The stepper's own actors stopped (PPO's scorers); none here."""
+        """The stepper's own actors stopped: the node relays (PPO's scorers beside them)."""
+        self.relays.close()
 
     def run(self, at: Position) -> Outcome:
         n, workers = at.step + 1, self.team.workers
@@ -112,7 +116,9 @@ class Stepper:
         try:
             queued = self.ahead.refs if self.ahead is not None else ()
             stop = partial(stop_step, workers, self.team.generation, n)  # at a failure: the others end the step
-            reports: list[StepReport] = self.team.gather(sent.refs, workers, f"step {n}", queued=queued, stop=stop)
+            reports: list[StepReport] = self.team.gather(
+                sent.refs, workers, f"step {n}", queued=queued, stop=stop, spans=sent.spans
+            )
         except WorkersLost as gone:
             self.drop_ahead()
             survivors = [done for w, done in zip(sent.workers, gone.finished) if w not in gone.lost]
@@ -164,12 +170,20 @@ class Stepper:
             "max_norm": limit,
             "link": link,
         }
+        balance = Balance(n, self.balancer.balanced, [len(s) for s in shares]) if switched else None
+        if self.relayed(workers):
+            works, nodes = [work | {"ids": ids} for ids in shares], [self.team.nodes[w] for w in workers]
+            refs, spans = self.relays.step(n, self.team.generation, workers, nodes, works, faults)
+            return Sent(n, workers, shares, batch, limit, refs, time.perf_counter(), ahead, balance, spans)
         refs = [
             w.step.remote(n, work | {"ids": ids}, faults.get(rank))
             for rank, (w, ids) in enumerate(zip(workers, shares))
         ]
-        balance = Balance(n, self.balancer.balanced, [len(s) for s in shares]) if switched else None
         return Sent(n, workers, shares, batch, limit, refs, time.perf_counter(), ahead, balance)
+
+    def relayed(self, workers: list) -> bool:
+        """Whether a step goes to `workers` through node relays (relay.py): from cluster.relay_from members on."""
+        return 0 < self.cfg.cluster.relay_from <= len(workers)
 
     def may_send_ahead(self, n: int, workers: list) -> bool:
         """Whether step n + 1 can go to the workers before step n's reports are back: when nothing but another step
@@ -179,6 +193,7 @@ class Stepper:
         return (
             c.train.send_ahead
             and self.mode.sends_ahead
+            and not self.relayed(workers)
             and n < c.train.steps
             and not due(n, c.train.eval_every, c.train.steps, c.window)
             and self.saver.level(n) is None

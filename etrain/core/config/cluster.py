@@ -24,6 +24,12 @@ class ClusterConfig(Section):
     min_workers: int = Field(
         1, ge=1, description="a health drain never leaves fewer members than this (it waits for a replacement)"
     )
+    relay_from: int = Field(
+        64,
+        ge=0,
+        description="from this many members on, a step's calls go through one relay actor per node (the coordinator "
+        "calls each node, not each member); 0: never",
+    )
 
 
 class TimeoutConfig(Section):

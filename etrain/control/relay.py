@@ -1,0 +1,101 @@
+"""A step's calls to its members through one relay actor per node: the coordinator makes a call per node, not per
+member.
+
+At 1,024 members the coordinator spent most of a step submitting 1,024 calls and reading 1,024 answers
+(bench/scale.py); the relay, on the members' node, makes its members' calls there and answers with all of their
+results at once, or at the first of them that fails (with what was back by then), so `gather` (gather.py) ends a
+failed step as early as it does without relays. It holds no state but its members' handles, sent with the first
+step of each group (`generation`), and imports no torch. Used from `cluster.relay_from` members on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+
+@dataclass
+class Relayed:
+    """A relay's answer: its members' results in the order sent, `back[i]` whether member i's result came back
+    (a member whose peer failed first may not have), and the first failure, `failed` naming the member."""
+
+    results: list
+    back: list[bool]
+    failed: int | None = None
+    error: BaseException | None = field(default=None, repr=False)
+
+
+class NodeRelay:
+    """The Ray actor: the calls of a step to the members on its node (asynchronous: a call waits on its members
+    without blocking the next one, which after a failure may already belong to the recovered group)."""
+
+    def __init__(self):
+        self.generation, self.members = -1, []
+
+    async def step(self, n: int, generation: int, handles: list | None, works: list[dict], faults: list) -> Relayed:
+        if handles is not None:
+            self.generation, self.members = generation, handles
+        if generation != self.generation:
+            raise RuntimeError(f"this relay holds the members of group {self.generation}, not of group {generation}")
+        refs = [m.step.remote(n, work, fault) for m, work, fault in zip(self.members, works, faults)]
+        return await answers(refs)
+
+
+async def answers(refs: list) -> Relayed:
+    """The results of `refs`, or what was back at the first failure: the failure of the first member asked, of
+    those that failed in the same wait."""
+    futures = [asyncio.ensure_future(_result(ref)) for ref in refs]
+    index = {f: i for i, f in enumerate(futures)}
+    out = Relayed([None] * len(refs), [False] * len(refs))
+    pending = set(futures)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for f in sorted(done, key=index.get):
+            i = index[f]
+            if (error := f.exception()) is not None:
+                out.failed, out.error = i, error
+                for rest in pending:  # no longer waited for (the calls themselves go on)
+                    rest.cancel()
+                return out
+            out.results[i], out.back[i] = f.result(), True
+    return out
+
+
+async def _result(ref):
+    return await ref
+
+
+class Relays:
+    """The coordinator's relays, one per node that carries a member, started on the node at its first step there."""
+
+    def __init__(self):
+        self.actors: dict[str, object] = {}  # node -> its relay
+        self.held: dict[str, int] = {}  # node -> the group whose handles its relay holds
+
+    def step(self, n: int, generation: int, workers: list, nodes: list[str], works: list[dict], faults: dict):
+        """Step `n`'s calls, a call per node: the relays' refs, and each ref's member ranks (gather's `spans`).
+        `works[rank]` and `faults.get(rank)` are rank `rank`'s arguments, as a direct call's."""
+        spans: dict[str, list[int]] = {}
+        for rank, node in enumerate(nodes):
+            spans.setdefault(node, []).append(rank)
+        refs = []
+        for node, ranks in spans.items():
+            relay = self.actors.get(node) or self._start(node)
+            handles = [workers[r] for r in ranks] if self.held.get(node) != generation else None
+            args = [works[r] for r in ranks], [faults.get(r) for r in ranks]
+            refs.append(relay.step.remote(n, generation, handles, *args))
+            self.held[node] = generation
+        return refs, list(spans.values())
+
+    def _start(self, node: str):
+        here = NodeAffinitySchedulingStrategy(node, soft=False)
+        self.actors[node] = actor = ray.remote(NodeRelay).options(num_cpus=0, scheduling_strategy=here).remote()
+        return actor
+
+    def close(self) -> None:
+        for actor in self.actors.values():
+            ray.kill(actor)
+        self.actors, self.held = {}, {}
