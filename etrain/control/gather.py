@@ -59,21 +59,14 @@ def gather(
             # costs O(N²) for N workers (0.9 s for 1,024 here: bench/scale.py)
             more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
             done += more
-        if (values := _all_of(done)) is not None:  # the usual case: one get for all the answers back
-            results.update(zip(done, values))
-            failed = _relayed_failure(done, results) if spans is not None else None
-            continue
+        values, errors = values_of(done)
         for ref in done:  # in the order asked, to the first failure: what a wait per answer read
-            try:
-                results[ref] = ray.get(ref)
-            except ray.exceptions.RayActorError as e:
-                if e.actor_init_failed:
-                    raise JobError(could_not_start(e)) from None
-                failed = e
+            if ref in errors:
+                failed = errors[ref]
+                if isinstance(failed, ray.exceptions.RayActorError) and failed.actor_init_failed:
+                    raise JobError(could_not_start(failed)) from None
                 break
-            except ray.exceptions.RayTaskError as e:
-                failed = e
-                break
+            results[ref] = values[ref]
             if spans is not None and (failed := _relayed_failure([ref], results)) is not None:
                 break
     if failed is None and not pending:
@@ -94,14 +87,18 @@ def gather(
     raise WorkersLost(what, lost, finished, said)
 
 
-def _all_of(refs: list) -> list | None:
-    """The values of `refs` in one call, or None if any of them failed. A get per answer cost the coordinator 151 ms
-    of a step at 1,024 workers, one call for them all 109 (bench/scale.py, whose answers are object-store refs);
-    a failed call is then read again ref by ref, which a recovery pays."""
+def values_of(refs: list) -> tuple[dict, dict]:
+    """The values of `refs` (all back) by ref, and the errors of those that failed: in one get, split in halves
+    around a failure. A get per answer cost the coordinator 151 ms of a step at 1,024 workers, one get for them all
+    109 (bench/scale.py, whose answers are object-store refs); a recovery read them one by one again, as its pings."""
     try:
-        return ray.get(refs)
-    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
-        return None
+        return dict(zip(refs, ray.get(refs))), {}
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+        if len(refs) == 1:
+            return {}, {refs[0]: e}
+    half = len(refs) // 2
+    (values, errors), (more, more_errors) = values_of(refs[:half]), values_of(refs[half:])
+    return values | more, errors | more_errors
 
 
 def _relayed_failure(done: list, results: dict):
@@ -132,15 +129,20 @@ def find_lost(
     next group too). None of them means `what` failed on live workers: a JobError saying `cause`, with `details`
     (the worker's traceback) for the driver's log."""
     pings = {w: w.info.remote() for w in workers}
+    back, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=ping_s)  # all at once: a get per
+    # ping cost a recovery 1,024 gets at 1,024 workers, and a ping_s each for the silent
+    _, errors = values_of(back)
+    for error in errors.values():
+        if not isinstance(error, ray.exceptions.RayActorError):
+            raise error
+    back = set(back)
     lost = []
     for worker, ref in pings.items():
-        try:
-            ray.get(ref, timeout=ping_s)
-        except ray.exceptions.RayActorError:
+        if ref in errors:  # it answered with its death
             lost.append(worker)
-        except ray.exceptions.GetTimeoutError:  # busy: hung, or waiting in a rendezvous for a peer that is gone
-            if not released(worker, ping_s):
-                lost.append(worker)
+        elif ref not in back and not released(worker, ping_s):  # busy: hung, or waiting in a rendezvous for a
+            # peer that is gone
+            lost.append(worker)
     retire(lost)
     if not lost:
         raise JobError(
