@@ -59,10 +59,10 @@ def gather(
             # costs O(N²) for N workers (0.9 s for 1,024 here: bench/scale.py)
             more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
             done += more
-        values, errors = values_of(done)
+        values, bad, error = to_first_failure(done)
         for ref in done:  # in the order asked, to the first failure: what a wait per answer read
-            if ref in errors:
-                failed = errors[ref]
+            if ref == bad:
+                failed = error
                 if isinstance(failed, ray.exceptions.RayActorError) and failed.actor_init_failed:
                     raise JobError(could_not_start(failed)) from None
                 break
@@ -87,10 +87,28 @@ def gather(
     raise WorkersLost(what, lost, finished, said)
 
 
+def to_first_failure(refs: list) -> tuple[dict, object, BaseException | None]:
+    """The values of `refs` (all back) by ref, in the order asked up to the first that failed, and that one's ref
+    and error: one get for all, split in halves around a failure (a get per answer cost the coordinator 151 ms of
+    a step at 1,024 workers, one get for them all 109: bench/scale.py; when a member is lost in the all-reduce,
+    every answer is a failure, and the first is found in log2(N) gets)."""
+    try:
+        return dict(zip(refs, ray.get(refs))), None, None
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+        if len(refs) == 1:
+            return {}, refs[0], e
+    half = len(refs) // 2
+    values, bad, error = to_first_failure(refs[:half])
+    if error is not None:
+        return values, bad, error
+    more, bad, error = to_first_failure(refs[half:])
+    return values | more, bad, error
+
+
 def values_of(refs: list) -> tuple[dict, dict]:
     """The values of `refs` (all back) by ref, and the errors of those that failed: in one get, split in halves
-    around a failure. A get per answer cost the coordinator 151 ms of a step at 1,024 workers, one get for them all
-    109 (bench/scale.py, whose answers are object-store refs); a recovery read them one by one again, as its pings."""
+    around a failure (a few among many: a recovery's pings, where a get per ping cost 1,024 gets at 1,024
+    workers)."""
     try:
         return dict(zip(refs, ray.get(refs))), {}
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
