@@ -29,7 +29,9 @@ coordinator's own time. Per size, one session (a fresh coordinator) runs:
 
 Calibration: the same session with the fakes as real Ray actors (no torch; `--actors N`, 32 by default), through
 real relay actors (relay_from=8), beside the in-process session of that size and config: the real actors' calls
-cost Ray's submission and transfer, which the in-process figures leave out.
+cost Ray's submission and transfer, which the in-process figures leave out. And the real actors called each by
+the coordinator (`actors_direct-N`): what the relay's extra hop costs where every process shares this machine's
+cores.
 
 Every variant runs once a round, --rounds rounds, interleaved (bench/rounds.py); each figure is the median over
 the rounds with its spread. The slope of each curve on log-log axes says how it grows with N (1: linear, 2:
@@ -192,6 +194,9 @@ class FakeCache:
 class FakeRelay:
     """A node's relay (etrain/control/relay.py) in this process: its members' steps run here, every one of them
     called (as the real relay submits them all), and the answer names the first that failed."""
+
+    def ready(self) -> bool:
+        return True
 
     def step(self, n: int, generation: int, handles: list | None, works: list[dict], faults: list):
         from etrain.control.relay import Relayed
@@ -475,8 +480,12 @@ class Session:
         return turns
 
     def ready(self, count: int) -> None:
-        """Untimed: the pool has `count` ready workers (Team.await_ready)."""
-        self.c.team.await_ready(count, self.c.at)
+        """Untimed: the pool has `count` ready workers (Team.await_ready), and their nodes' relays are up. A real
+        node's relay starts when the node is seen (Team.watch), long before a worker built there is ready; a fake
+        node is seen only in its workers' answers, and its relay started then."""
+        team = self.c.team
+        team.await_ready(count, self.c.at)
+        REAL_GET([r.ready.remote() for r in team.relays.actors.values()])
 
     def close(self) -> None:
         from etrain.core.lease import release
@@ -562,7 +571,7 @@ def facts(s: Session, states: list[str]) -> dict:
         "recoveries": s.c.team.recoveries,
         "checkpoints": [(r["step"], r["level"]) for r in of("checkpoint")],
         "parts": len(json.loads(Path(commit.removeprefix("file://")).read_text())["files"]),
-        "relays": len(s.c.stepper.relays.actors),
+        "relays": len(s.c.team.relays.actors),
     }
 
 
@@ -578,10 +587,12 @@ def relayed(n: int) -> bool:
 
 def measure(variant: str, args) -> dict:
     """One run of a variant: `fake-N` (in-process workers), `direct-N` (the same without node relays), `actors-N`
-    (real Ray actors, relayed) and `calib-N` (its in-process twin), `memory-N`."""
+    (real Ray actors, relayed), `calib-N` (its in-process twin) and `actors_direct-N` (real actors, each called by the
+    coordinator), `memory-N`."""
     kind, n = variant.rsplit("-", 1)
-    extra = {"direct": DIRECT, "calib": CALIBRATED, "actors": CALIBRATED}.get(kind, ())
-    result = run_session(int(n), Fleet(actors=kind == "actors"), args.steps, memory=kind == "memory", extra=extra)
+    extra = {"direct": DIRECT, "calib": CALIBRATED, "actors": CALIBRATED, "actors_direct": DIRECT}.get(kind, ())
+    actors = kind.startswith("actors")
+    result = run_session(int(n), Fleet(actors=actors), args.steps, memory=kind == "memory", extra=extra)
     result.pop("facts", None)
     return result
 
@@ -639,6 +650,11 @@ def analyse(medians: dict, sizes: list[int], actors: int) -> dict:
             k: {"actors": (a := real[k]["median"]), "in_process": (b := fake[k]["median"]), "ratio": a / b}
             for k in SCENARIOS
         } | {"workers": actors}
+        direct = medians[f"actors_direct-{actors}"]
+        report["relays_on_actors"] = {  # real actors on this machine: relayed against called each by the coordinator
+            k: {"relayed": (a := real[k]["median"]), "direct": (b := direct[k]["median"]), "ratio": b / a}
+            for k in SCENARIOS
+        } | {"workers": actors}
     return report
 
 
@@ -654,6 +670,10 @@ def table(report: dict) -> str:
     for n, per in report["relays"].items():
         shown = "  ".join(f"{k} {v['direct']:.1f} / {v['relayed']:.1f} = {v['ratio']:.2f}x" for k, v in per.items())
         rows.append(f"at {n}, a call per member / node relays (ms): {shown}")
+    if real := report.get("relays_on_actors"):
+        per = {k: v for k, v in real.items() if k != "workers"}
+        shown = "  ".join(f"{k} {v['direct']:.1f} / {v['relayed']:.1f} = {v['ratio']:.2f}x" for k, v in per.items())
+        rows.append(f"{real['workers']} real actors, a call per member / node relays (ms): {shown}")
     return "\n".join(rows)
 
 
@@ -702,7 +722,7 @@ def main() -> None:
     names = [f"{kind}-{n}" for n in args.sizes for kind in ("fake", "memory")]
     names += [f"direct-{n}" for n in args.sizes if relayed(n)]
     if args.actors:
-        names += [f"actors-{args.actors}", f"calib-{args.actors}"]
+        names += [f"actors-{args.actors}", f"calib-{args.actors}", f"actors_direct-{args.actors}"]
     began = time.time()
     runs = interleaved(args.rounds, names, lambda v: measure(v, args), lambda v, r: line(v, r, began))
     report = analyse({v: summary(rs) for v, rs in runs.items()}, args.sizes, args.actors)

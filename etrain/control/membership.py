@@ -25,6 +25,7 @@ from etrain.control.control import JobError, autoscale, pool_size
 from etrain.control.data_plane import ATTACH_S
 from etrain.control.gather import WorkersLost, gather
 from etrain.control.pool import WarmPool
+from etrain.control.relay import Relays
 from etrain.control.step import Position
 from etrain.core.config import Config
 from etrain.core.errors import why
@@ -106,6 +107,7 @@ class Team:
         )  # nodes at risk whose members leave now (etrain/control/health_watch.py)
         self.replacements = 0  # pool workers wanted beyond cluster.warm_pool: replacements for a node at risk
         self.generation = 0
+        self.relays = Relays()  # a step's calls through one actor per node, from cluster.relay_from members on
         self.recoveries = 0
         self._pending: tuple[Membership, float] | None = None  # a change waiting for its first step
         self.pool_started = False  # the coordinator starts the pool after the run's first step
@@ -136,7 +138,7 @@ class Team:
     # -- the cluster, between steps ---------------------------------------------
 
     def watch(self, at: Position) -> None:
-        """Preemption notices, new nodes (their shard cache starts at once, beside the workers starting
+        """Preemption notices, new nodes (their shard cache and relay start at once, beside the workers starting
         there), the pool's size and, when autoscaling, room to grow: once a second, and the room also at
         every step boundary where a ready pool worker could join."""
         if self.autoscaling and self.pool.ready() and len(self.workers) < self.cfg.cluster.max_workers:
@@ -147,7 +149,10 @@ class Team:
         self.preempted = preempted_nodes()
         kept_off = self.preempted | self.pool.kept_off
         self.pool.drop([w for w in self.pool.idle if self.nodes.get(w) in kept_off])
-        self.data.start_caches(worker_nodes(self.cfg.cluster) - kept_off, at.cursor)
+        nodes = worker_nodes(self.cfg.cluster) - kept_off
+        self.data.start_caches(nodes, at.cursor)
+        if self.relayed(self.target()):  # its relay too, long before a worker built there joins
+            self.relays.prepare(nodes)
         self.pool.restart_kept_off()
         # not before the run's first step, nor while a change waits for its first step: a starting worker slows it
         if self._pending is None and self.pool_started:
@@ -217,6 +222,8 @@ class Team:
                 self.pool.drop([worker])
                 continue
             self.pool.preparing[worker] = attach = self.data.attach([worker], [node], at.cursor, read=True)[0]
+            if self.relayed(self.target()):  # if its node's relay has not started with the node (watch)
+                self.relays.prepare({node})
             ray.wait([attach], timeout=ATTACH_S)
 
     def await_ready(self, count: int, at: Position) -> None:
@@ -358,6 +365,8 @@ class Team:
                 self._from_twins(members, applied, step)
             phases["migrate"] += time.perf_counter() - t
         self.workers = members
+        if self.relayed(len(members)):
+            self.relays.prepare({self.nodes[w] for w in members})
 
     def _from_twins(self, members: list, applied: list[int], step: int) -> None:
         """Each laid-out rank without its place's state at `step` takes its twin's, peer to peer."""
@@ -431,12 +440,17 @@ class Team:
             if w in self.pids
         ]
 
+    def relayed(self, members: int) -> bool:
+        """Whether a step goes to `members` members through node relays (relay.py): from cluster.relay_from on."""
+        return 0 < self.cfg.cluster.relay_from <= members
+
     def stop(self) -> None:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
         self.pool.close()
         self.pool.reserve(0)
+        self.relays.close()
 
 
 def arrival(marks: dict, changed: float) -> dict[str, float]:

@@ -69,7 +69,6 @@ class PPOStepper(Stepper):
             )
 
     def close(self) -> None:
-        super().close()
         for actor in self.scorers:
             ray.kill(actor)
 

@@ -184,7 +184,6 @@ class PSTraining(Stepper):
         )
 
     def close(self) -> None:
-        super().close()
         for s in self.shards:
             ray.kill(s)
         self.shards = []

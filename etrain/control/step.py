@@ -21,7 +21,6 @@ import ray
 
 from etrain.control.control import due
 from etrain.control.gather import WorkersLost
-from etrain.control.relay import Relays
 from etrain.core.config import Config
 from etrain.core.modes import Mode
 from etrain.core.records import Balance, Outlier, Train
@@ -78,7 +77,6 @@ class Stepper:
         self.guards, self.faults, self.saver, self.log = guards, faults, saver, log
         self.tokens_per_sample = cfg.model.seq_len
         self.ahead: Sent | None = None  # the next step, sent before this one's reports came back
-        self.relays = Relays()
 
     def state(self) -> dict:
         """What checkpoints hold of the stepper (a PPO stepper's KL coefficient); none for training steps."""
@@ -104,8 +102,7 @@ class Stepper:
         """ValueError if this mode's steps cannot be split over `workers` members (a resize request)."""
 
     def close(self) -> None:
-        """The stepper's own actors stopped: the node relays (PPO's scorers beside them)."""
-        self.relays.close()
+        """The stepper's own actors stopped (PPO's scorers); none here."""
 
     def run(self, at: Position) -> Outcome:
         n, workers = at.step + 1, self.team.workers
@@ -173,7 +170,7 @@ class Stepper:
         balance = Balance(n, self.balancer.balanced, [len(s) for s in shares]) if switched else None
         if self.relayed(workers):
             works, nodes = [work | {"ids": ids} for ids in shares], [self.team.nodes[w] for w in workers]
-            refs, spans = self.relays.step(n, self.team.generation, workers, nodes, works, faults)
+            refs, spans = self.team.relays.step(n, self.team.generation, workers, nodes, works, faults)
             return Sent(n, workers, shares, batch, limit, refs, time.perf_counter(), ahead, balance, spans)
         refs = [
             w.step.remote(n, work | {"ids": ids}, faults.get(rank))
@@ -182,8 +179,8 @@ class Stepper:
         return Sent(n, workers, shares, batch, limit, refs, time.perf_counter(), ahead, balance)
 
     def relayed(self, workers: list) -> bool:
-        """Whether a step goes to `workers` through node relays (relay.py): from cluster.relay_from members on."""
-        return 0 < self.cfg.cluster.relay_from <= len(workers)
+        """Whether a step goes to `workers` through node relays (relay.py)."""
+        return self.team.relayed(len(workers))
 
     def may_send_ahead(self, n: int, workers: list) -> bool:
         """Whether step n + 1 can go to the workers before step n's reports are back: when nothing but another step
