@@ -22,6 +22,7 @@ from etrain.data import order
 from etrain.data.cache import ShardCache
 from etrain.data.shards import read_manifest, row_sources
 
+CACHE = ray.remote(ShardCache)  # one class, exported once (relay.py's REMOTE)
 STATS_S = 0.05  # how long a step waits for the node caches' counts: a cache still starting is counted later
 ATTACH_S = 0.2  # how long the loop waits for a warm pool worker's cache attach (most take ~50 ms)
 
@@ -59,7 +60,7 @@ class DataPlane:
         data = self.cfg.data
         for node in nodes - set(self.caches):
             here = NodeAffinitySchedulingStrategy(node, soft=False)
-            actor = ray.remote(ShardCache).options(num_cpus=0, max_concurrency=32, scheduling_strategy=here)
+            actor = CACHE.options(num_cpus=0, max_concurrency=32, scheduling_strategy=here)
             self.caches[node] = actor.remote(self.manifest, self.layout, data.cache_shards, data.node_cache_dir)
             self.caches[node].warm.remote(cursor)
 

@@ -30,14 +30,10 @@ class Telemetry:
         return readings
 
 
+REMOTE = ray.remote(Telemetry)  # one class, exported once (relay.py's REMOTE)
+
+
 def start(node: str, sources: list[str]):
     """The node's telemetry actor; Ray restarts it if it dies (it holds nothing)."""
-    return (
-        ray.remote(Telemetry)
-        .options(
-            num_cpus=0,
-            max_restarts=-1,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        )
-        .remote(sources)
-    )
+    here = NodeAffinitySchedulingStrategy(node, soft=False)
+    return REMOTE.options(num_cpus=0, max_restarts=-1, scheduling_strategy=here).remote(sources)
