@@ -351,7 +351,7 @@ def redirected(fleet: Fleet):
     import etrain.worker
     from etrain.control import telemetry
     from etrain.control.data_plane import DataPlane
-    from etrain.control.relay import NodeRelay, Relays
+    from etrain.control.relay import REMOTE, Relays
 
     def start_caches(self, nodes: set[str], cursor: int) -> None:
         for node in nodes - set(self.caches):
@@ -366,7 +366,7 @@ def redirected(fleet: Fleet):
 
     def start_relay(self, node: str):
         if fleet.actors:  # beside the real actors, wherever Ray puts it (their nodes are names, not Ray's nodes)
-            self.actors[node] = relay = ray.remote(NodeRelay).options(num_cpus=0).remote()
+            self.actors[node] = relay = REMOTE.options(num_cpus=0).remote()
         else:
             self.actors[node] = relay = Handle(FakeRelay(), fleet)
         return relay
