@@ -482,9 +482,11 @@ class Session:
     def ready(self, count: int) -> None:
         """Untimed: the pool has `count` ready workers (Team.await_ready), and their nodes' relays are up. A real
         node's relay starts when the node is seen (Team.watch), long before a worker built there is ready; a fake
-        node is seen only in its workers' answers, and its relay started then."""
+        node is not a Ray node, seen only in its workers' answers: its relay is started here, as watch would."""
         team = self.c.team
         team.await_ready(count, self.c.at)
+        if team.relayed(team.target()):
+            team.relays.prepare({team.nodes[w] for w in team.pool.preparing})
         REAL_GET([r.ready.remote() for r in team.relays.actors.values()])
 
     def close(self) -> None:

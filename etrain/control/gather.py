@@ -67,7 +67,7 @@ def gather(
                     raise JobError(could_not_start(failed)) from None
                 break
             results[ref] = values[ref]
-            if spans is not None and (failed := _relayed_failure([ref], results)) is not None:
+            if spans is not None and (failed := _relayed_failure(values[ref])) is not None:
                 break
     if failed is None and not pending:
         return [results[r] for r in refs] if spans is None else _by_rank(refs, spans, results, "results", None)
@@ -105,28 +105,25 @@ def to_first_failure(refs: list) -> tuple[dict, object, BaseException | None]:
     return values | more, bad, error
 
 
-def values_of(refs: list) -> tuple[dict, dict]:
-    """The values of `refs` (all back) by ref, and the errors of those that failed: in one get, split in halves
-    around a failure (a few among many: a recovery's pings, where a get per ping cost 1,024 gets at 1,024
-    workers)."""
+def values_of(refs: list) -> tuple[dict, set]:
+    """The values of `refs` (all back) by ref, and the refs whose actor is dead (any other error is raised): in one
+    get, split in halves around a dead one (a few among many: a recovery's pings, where a get per ping cost 1,024
+    gets at 1,024 workers)."""
     try:
-        return dict(zip(refs, ray.get(refs))), {}
-    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+        return dict(zip(refs, ray.get(refs))), set()
+    except ray.exceptions.RayActorError:
         if len(refs) == 1:
-            return {}, {refs[0]: e}
+            return {}, set(refs)
     half = len(refs) // 2
-    (values, errors), (more, more_errors) = values_of(refs[:half]), values_of(refs[half:])
-    return values | more, errors | more_errors
+    (values, dead), (more, more_dead) = values_of(refs[:half]), values_of(refs[half:])
+    return values | more, dead | more_dead
 
 
-def _relayed_failure(done: list, results: dict):
-    """The first member's failure a relay's answer names (in the order asked), or None."""
-    for ref in done:
-        if (error := results[ref].error) is not None:
-            if isinstance(error, ray.exceptions.RayActorError) and error.actor_init_failed:
-                raise JobError(could_not_start(error)) from None
-            return error
-    return None
+def _relayed_failure(answer):
+    """The member's failure a relay's answer names, or None."""
+    if isinstance(answer.error, ray.exceptions.RayActorError) and answer.error.actor_init_failed:
+        raise JobError(could_not_start(answer.error)) from None
+    return answer.error
 
 
 def _by_rank(refs: list, spans: list[list[int]], results: dict, part: str, missing) -> list:
@@ -149,14 +146,11 @@ def find_lost(
     pings = {w: w.info.remote() for w in workers}
     back, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=ping_s)  # all at once: a get per
     # ping cost a recovery 1,024 gets at 1,024 workers, and a ping_s each for the silent
-    _, errors = values_of(back)
-    for error in errors.values():
-        if not isinstance(error, ray.exceptions.RayActorError):
-            raise error
+    _, dead = values_of(back)
     back = set(back)
     lost = []
     for worker, ref in pings.items():
-        if ref in errors:  # it answered with its death
+        if ref in dead:  # it answered with its death
             lost.append(worker)
         elif ref not in back and not released(worker, ping_s):  # busy: hung, or waiting in a rendezvous for a
             # peer that is gone

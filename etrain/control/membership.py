@@ -222,8 +222,6 @@ class Team:
                 self.pool.drop([worker])
                 continue
             self.pool.preparing[worker] = attach = self.data.attach([worker], [node], at.cursor, read=True)[0]
-            if self.relayed(self.target()):  # if its node's relay has not started with the node (watch)
-                self.relays.prepare({node})
             ray.wait([attach], timeout=ATTACH_S)
 
     def await_ready(self, count: int, at: Position) -> None:
@@ -365,8 +363,6 @@ class Team:
                 self._from_twins(members, applied, step)
             phases["migrate"] += time.perf_counter() - t
         self.workers = members
-        if self.relayed(len(members)):
-            self.relays.prepare({self.nodes[w] for w in members})
 
     def _from_twins(self, members: list, applied: list[int], step: int) -> None:
         """Each laid-out rank without its place's state at `step` takes its twin's, peer to peer."""

@@ -80,8 +80,8 @@ async def _result(ref):
 
 class Relays:
     """The team's relays (membership.py), one per node that can host a worker: started as the node is seen, with
-    its shard cache, not at a joiner's first step (an actor's start took 6-8 s of a scale-out by a node at 32
-    workers here when the step waited for it)."""
+    its shard cache (Team.watch), not at a joiner's first step (an actor's start took 6-8 s of a scale-out by a
+    node at 32 workers here when the step waited for it); at a node's first step if that comes sooner."""
 
     def __init__(self):
         self.actors: dict[str, object] = {}  # node -> its relay

@@ -168,14 +168,12 @@ class Stepper:
             "link": link,
         }
         balance = Balance(n, self.balancer.balanced, [len(s) for s in shares]) if switched else None
+        works = [work | {"ids": ids} for ids in shares]
         if self.relayed(workers):
-            works, nodes = [work | {"ids": ids} for ids in shares], [self.team.nodes[w] for w in workers]
+            nodes = [self.team.nodes[w] for w in workers]
             refs, spans = self.team.relays.step(n, self.team.generation, workers, nodes, works, faults)
             return Sent(n, workers, shares, batch, limit, refs, time.perf_counter(), ahead, balance, spans)
-        refs = [
-            w.step.remote(n, work | {"ids": ids}, faults.get(rank))
-            for rank, (w, ids) in enumerate(zip(workers, shares))
-        ]
+        refs = [w.step.remote(n, works[rank], faults.get(rank)) for rank, w in enumerate(workers)]
         return Sent(n, workers, shares, batch, limit, refs, time.perf_counter(), ahead, balance)
 
     def relayed(self, workers: list) -> bool:
