@@ -191,6 +191,9 @@ class FakeCache:
         pass
 
 
+CACHE_ACTOR = ray.remote(num_cpus=0)(FakeCache)
+
+
 class FakeRelay:
     """A node's relay (etrain/control/relay.py) in this process: its members' steps run here, every one of them
     called (as the real relay submits them all), and the answer names the first that failed."""
@@ -198,11 +201,12 @@ class FakeRelay:
     def ready(self) -> bool:
         return True
 
-    def step(self, n: int, generation: int, handles: list | None, works: list[dict], faults: list):
+    def step(self, n: int, generation: int, handles: list | None, works: list[dict], faults: list, cache=None):
         from etrain.control.relay import Relayed
 
         if handles is not None:
             self.members = handles
+        self.cache = cache or getattr(self, "cache", None)
         out = Relayed([None] * len(works), [False] * len(works))
         for i, (h, work, fault) in enumerate(zip(self.members, works, faults)):
             try:
@@ -219,6 +223,9 @@ class FakeRelay:
                 continue
             if out.failed is None:
                 out.failed, out.error = i, error
+        if self.cache is not None and out.failed is None:  # the node cache's counts, as the real relay adds them
+            node, cache = self.cache
+            out.results[0].data["cache"] = {"node": node, **cache.target.stats()}
         return out
 
 
@@ -354,8 +361,8 @@ def redirected(fleet: Fleet):
     from etrain.control.relay import REMOTE, Relays
 
     def start_caches(self, nodes: set[str], cursor: int) -> None:
-        for node in nodes - set(self.caches):
-            self.caches[node] = Handle(FakeCache(), fleet)
+        for node in nodes - set(self.caches):  # real beside real actors: their relays ask them for counts
+            self.caches[node] = CACHE_ACTOR.remote() if fleet.actors else Handle(FakeCache(), fleet)
             self.caches[node].warm.remote(cursor)
 
     def kill(actor, *args, **kwargs):

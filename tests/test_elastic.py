@@ -99,6 +99,8 @@ def test_a_run_through_node_relays_replaces_a_lost_worker_and_stays_on_the_traje
     assert [r["step"] for r in steps] == list(range(1, 61))
     # a relayed step is sent once the one before is back (a survivor alone, while the pool starts, is not relayed)
     assert not any(r.get("sent_ahead") for r in steps if r["world_size"] >= 2)
+    # the node cache's counts come in its relay's answers (the coordinator asks no relayed node's cache itself)
+    assert sum(r["fetched_shards"] for r in steps if r["world_size"] >= 2) >= 1
     [change, *_] = records(run_dir, "membership")
     assert (change["reason"], change["lost"]) == ("recover", 1)
     assert change["step"] in ((step - 1, step) if kind == "kill_in_allreduce" else (step - 1,))

@@ -4,11 +4,13 @@ among them named, the dead told apart from the live."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import ray
 
 from etrain.control.control import JobError
+from etrain.control.data_plane import DataPlane
 from etrain.control.gather import WorkersLost, gather
 from etrain.control.relay import NodeRelay
 
@@ -118,4 +120,70 @@ def test_through_node_relays_the_answers_come_back_by_rank_and_a_failure_is_name
         assert len(lost.value.finished) == 10 and lost.value.finished[dead] is False
     finally:
         for actor in members + relays:
+            ray.kill(actor)
+
+
+@ray.remote(num_cpus=0)
+class Reporter:
+    """A member whose answer carries a `data` dict, as a StepReport does."""
+
+    def step(self, n: int, work: dict, fault: dict | None = None):
+        return SimpleNamespace(value=work["value"], data={"hits": 1, "misses": 0, "wait_s": 0.0})
+
+
+@ray.remote(num_cpus=0)
+class Counts:
+    """A node's shard cache as the relay asks it: its totals so far, after `delay` seconds."""
+
+    def __init__(self, delay: float = 0.0):
+        self.delay, self.fetched = delay, 0
+
+    def info(self) -> dict:
+        return {}
+
+    def stats(self) -> dict:
+        time.sleep(self.delay)
+        self.fetched += 1
+        return {"fetched_bytes": 100 * self.fetched, "fetched_shards": self.fetched, "cached": [0], "pinned": []}
+
+
+def test_a_relay_brings_its_node_caches_counts_and_says_when_it_is_busy_or_gone(rng, tmp_path):
+    """The relay asks its node's cache as the step starts; the counts ride in its first member's report, which
+    DataPlane.cost reads in place of asking that cache itself: a cache that answers late is counted at a later step,
+    a dead one is dropped (and started again by the next watch)."""
+    members = [Reporter.remote() for _ in range(rng.randrange(1, 5))]
+    cache, slow = Counts.remote(), Counts.remote(delay=2.0)
+    relay = ray.remote(NodeRelay).options(num_cpus=0).remote()
+    try:
+        ray.get([cache.info.remote(), slow.info.remote()])  # one still starting is busy (counted later)
+        works, faults = [{"value": i} for i in range(len(members))], [None] * len(members)
+
+        def counts(n: int, cache_sent=None, handles=None) -> dict:
+            answer = ray.get(relay.step.remote(n, 1, handles, works, faults, cache_sent))
+            assert [r.value for r in answer.results] == list(range(len(members)))
+            assert all("cache" not in r.data for r in answer.results[1:])
+            return answer.results[0].data.get("cache")
+
+        assert counts(1, handles=members) is None  # no cache sent yet: nothing asked
+        assert counts(2, ("node-a", cache)) == {"node": "node-a", "fetched_bytes": 100, "fetched_shards": 1}
+        assert counts(3) == {"node": "node-a", "fetched_bytes": 200, "fetched_shards": 2}  # held once sent
+        assert counts(4, ("node-a", slow)) == {"node": "node-a", "busy": True}
+        ray.kill(cache)
+        dead_by(cache, time.monotonic() + 30)
+        assert counts(5, ("node-a", cache)) == {"node": "node-a", "gone": True}
+
+        plane = DataPlane.__new__(DataPlane)  # the part of the data plane a step's cost needs
+        plane.caches, plane._fetched = {"node-a": cache, "node-b": slow}, {}
+        seen = [{"hits": 2, "misses": 1, "wait_s": 0.5, "cache": {"node": "node-a", "fetched_bytes": 300,
+                 "fetched_shards": 3}}, {"hits": 1, "misses": 0, "wait_s": 0.1, "cache": {"node": "node-b",
+                 "busy": True}}]  # fmt: skip
+        assert plane.cost(seen) == {
+            "data_wait_s": 0.5, "cache_hits": 3, "cache_misses": 1, "fetched_bytes": 300, "fetched_shards": 3
+        }  # fmt: skip
+        seen[0]["cache"] = {"node": "node-a", "fetched_bytes": 500, "fetched_shards": 4}
+        assert plane.cost(seen)["fetched_bytes"] == 200  # what it fetched since
+        seen[0]["cache"] = {"node": "node-a", "gone": True}
+        assert plane.cost(seen)["fetched_shards"] == 0 and set(plane.caches) == {"node-b"}
+    finally:
+        for actor in [*members, cache, slow, relay]:
             ray.kill(actor)

@@ -77,16 +77,20 @@ class DataPlane:
             cache.release_holder.remote(worker._actor_id.hex())
 
     def cost(self, per_worker: list[dict]) -> dict:
-        """This step's data cost: the slowest worker's wait, cache hits and misses, what the node caches fetched."""
-        refs = {node: cache.stats.remote() for node, cache in self.caches.items()}
-        done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=STATS_S)
+        """This step's data cost: the slowest worker's wait, cache hits and misses, what the node caches fetched (a
+        relayed step brings its nodes' counts in its reports, `data["cache"]`: relay.py; the other caches are asked
+        here)."""
+        relayed = {c["node"]: c for d in per_worker if (c := d.get("cache"))}
+        refs = {node: cache.stats.remote() for node, cache in self.caches.items() if node not in relayed}
+        done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=STATS_S) if refs else ([], [])
         answers = _answers(done)
+        counts = {node: answers[ref] for node, ref in refs.items() if ref in answers}  # a busy one: counted later
+        counts |= {node: None if c.get("gone") else c for node, c in relayed.items() if not c.get("busy")}
         fetched = {"fetched_bytes": 0, "fetched_shards": 0}
-        for node, ref in refs.items():
-            if ref not in answers:  # busy: counted at a later step
-                continue
-            if (stats := answers[ref]) is None:  # its node is gone: so are its workers
-                del self.caches[node]
+        for node, stats in counts.items():
+            if stats is None:  # its node is gone: so are its workers (a cache started there again counts from 0)
+                self.caches.pop(node, None)
+                self._fetched.pop(node, None)
                 continue
             for key in fetched:
                 fetched[key] += stats[key] - self._fetched.get(node, {}).get(key, 0)

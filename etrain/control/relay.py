@@ -6,6 +6,10 @@ At 1,024 members the coordinator spent most of a step submitting 1,024 calls and
 results at once, or at the first of them that fails (with what was back by then), so `gather` (gather.py) ends a
 failed step as early as it does without relays. It holds no state but its members' handles, sent with the first
 step of each group (`generation`), and imports no torch. Used from `cluster.relay_from` members on.
+
+The relay also asks its node's shard cache for its counts (what it fetched) as the step starts, and they ride back
+in its first member's report (`data["cache"]`): the coordinator otherwise asks every node's cache itself each step
+(DataPlane.cost), 128 calls and their answers a step at 1,024 members.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from dataclasses import dataclass, field
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+CACHE_S = 0.05  # how long an answer waits for its node cache's counts once its members are back: a busy cache is
+# counted at a later step (the counts are totals), as DataPlane.cost's own wait for them
 
 
 @dataclass
@@ -34,18 +41,28 @@ class NodeRelay:
 
     def __init__(self):
         self.generation, self.members = -1, []
+        self.cache: tuple[str, object] | None = None  # its node's id and shard cache, once sent
 
     def ready(self) -> bool:
         """For a caller that waits for the relay's start."""
         return True
 
-    async def step(self, n: int, generation: int, handles: list | None, works: list[dict], faults: list) -> Relayed:
+    async def step(
+        self, n: int, generation: int, handles: list | None, works: list[dict], faults: list, cache=None
+    ) -> Relayed:
+        """Step `n`'s calls to the members (`handles`: those of a new group; `cache`: the node's id and cache, when
+        the coordinator has one it has not sent)."""
         if handles is not None:
             self.generation, self.members = generation, handles
         if generation != self.generation:
             raise RuntimeError(f"this relay holds the members of group {self.generation}, not of group {generation}")
+        self.cache = cache or self.cache
         refs = [m.step.remote(n, work, fault) for m, work, fault in zip(self.members, works, faults)]
-        return await answers(refs)
+        counts = self.cache[1].stats.remote() if self.cache is not None else None
+        out = await answers(refs)
+        if counts is not None and out.failed is None:
+            out.results[0].data["cache"] = await cache_counts(self.cache[0], counts)
+        return out
 
 
 # One actor class for every relay: Ray exports a class made by `ray.remote` once, and a class made anew for each
@@ -78,6 +95,18 @@ async def _result(ref):
     return await ref
 
 
+async def cache_counts(node: str, ref) -> dict:
+    """A node cache's counts for the coordinator (DataPlane.cost): its fetched shards and bytes, or that it was
+    busy (`busy`: counted later) or is gone (`gone`: the coordinator starts another)."""
+    try:
+        stats = await asyncio.wait_for(_result(ref), CACHE_S)
+    except TimeoutError:
+        return {"node": node, "busy": True}
+    except ray.exceptions.RayActorError:
+        return {"node": node, "gone": True}
+    return {"node": node, "fetched_bytes": stats["fetched_bytes"], "fetched_shards": stats["fetched_shards"]}
+
+
 class Relays:
     """The team's relays (membership.py), one per node that can host a worker: started as the node is seen, with
     its shard cache (Team.watch), not at a joiner's first step (an actor's start took 6-8 s of a scale-out by a
@@ -86,10 +115,14 @@ class Relays:
     def __init__(self):
         self.actors: dict[str, object] = {}  # node -> its relay
         self.held: dict[str, int] = {}  # node -> the group whose handles its relay holds
+        self.caches: dict[str, object] = {}  # node -> the shard cache its relay holds
 
-    def step(self, n: int, generation: int, workers: list, nodes: list[str], works: list[dict], faults: dict):
+    def step(
+        self, n: int, generation: int, workers: list, nodes: list[str], works: list[dict], faults: dict, caches: dict
+    ):
         """Step `n`'s calls, a call per node: the relays' refs, and each ref's member ranks (gather's `spans`).
-        `works[rank]` and `faults.get(rank)` are rank `rank`'s arguments, as a direct call's."""
+        `works[rank]` and `faults.get(rank)` are rank `rank`'s arguments, as a direct call's; `caches` the nodes'
+        shard caches (node -> cache), each sent to its relay once."""
         spans: dict[str, list[int]] = {}
         for rank, node in enumerate(nodes):
             spans.setdefault(node, []).append(rank)
@@ -98,8 +131,12 @@ class Relays:
             relay = self.actors.get(node) or self._start(node)
             handles = [workers[r] for r in ranks] if self.held.get(node) != generation else None
             args = [works[r] for r in ranks], [faults.get(r) for r in ranks]
-            refs.append(relay.step.remote(n, generation, handles, *args))
+            cache = caches.get(node)
+            sent = (node, cache) if cache is not None and self.caches.get(node) is not cache else None
+            refs.append(relay.step.remote(n, generation, handles, *args, sent))
             self.held[node] = generation
+            if sent is not None:
+                self.caches[node] = cache
         return refs, list(spans.values())
 
     def prepare(self, nodes: set[str]) -> None:
@@ -110,9 +147,11 @@ class Relays:
     def _start(self, node: str):
         here = NodeAffinitySchedulingStrategy(node, soft=False)
         self.actors[node] = actor = REMOTE.options(num_cpus=0, scheduling_strategy=here).remote()
+        self.held.pop(node, None)  # a new relay holds nothing yet
+        self.caches.pop(node, None)
         return actor
 
     def close(self) -> None:
         for actor in self.actors.values():
             ray.kill(actor)
-        self.actors, self.held = {}, {}
+        self.actors, self.held, self.caches = {}, {}, {}

@@ -171,7 +171,9 @@ class Stepper:
         works = [work | {"ids": ids} for ids in shares]
         if self.relayed(workers):
             nodes = [self.team.nodes[w] for w in workers]
-            refs, spans = self.team.relays.step(n, self.team.generation, workers, nodes, works, faults)
+            refs, spans = self.team.relays.step(
+                n, self.team.generation, workers, nodes, works, faults, self.data.caches
+            )
             return Sent(n, workers, shares, batch, limit, refs, time.perf_counter(), ahead, balance, spans)
         refs = [w.step.remote(n, works[rank], faults.get(rank)) for rank, w in enumerate(workers)]
         return Sent(n, workers, shares, batch, limit, refs, time.perf_counter(), ahead, balance)
