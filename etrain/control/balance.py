@@ -26,12 +26,13 @@ class Balancer:
     balanced: bool = False  # shares follow speeds (a straggler was seen) rather than being equal
     streak: int = 0  # consecutive steps that called for the other mode
 
-    def observe(self, worker: Hashable, samples: int, compute_s: float) -> None:
-        if compute_s <= 0 or samples <= 0:
-            return
-        speed = samples / compute_s
-        old = self.speeds.get(worker)
-        self.speeds[worker] = speed if old is None else (1 - self.cfg.ema) * old + self.cfg.ema * speed
+    def observe(self, workers: list[Hashable], samples: list[int], compute_s: list[float]) -> None:
+        """A step's measured speeds (each worker's samples over its compute seconds), one call for all members."""
+        ema, speeds = self.cfg.ema, self.speeds
+        for worker, n, s in zip(workers, samples, compute_s):
+            if s > 0 and n > 0:
+                old = speeds.get(worker)
+                speeds[worker] = n / s if old is None else (1 - ema) * old + ema * (n / s)
 
     def forget(self, keep: list[Hashable]) -> None:
         """Drop workers that left; a joiner starts at the mean speed until measured."""

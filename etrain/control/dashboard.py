@@ -86,7 +86,9 @@ class Dashboard:
             self.held[(name, tuple(extra.items()))] = (gauge, float(value), tags)
 
     def node_risk(self, node: str, score: float) -> None:
-        self._set("risk", score, self.risk, node=node)
+        held = self.held.get(("risk", (("node", node),)))
+        if held is None or held[1] != score:  # unchanged, a train record sets it again (every node, every step)
+            self._set("risk", score, self.risk, node=node)
 
     def pool(self, ready: int) -> None:
         self._set("warm_pool_ready", ready)

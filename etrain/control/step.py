@@ -136,8 +136,7 @@ class Stepper:
             self.log.record(Outlier(n, lead.grad_norm, sent.limit, sent.batch, self.guards.reject(n)))
         else:
             self.guards.accept(n, lead.grad_norm)
-        for worker, report in zip(sent.workers, reports):
-            self.balancer.observe(worker, report.share, report.compute_s)
+        self.balancer.observe(sent.workers, [r.share for r in reports], [r.compute_s for r in reports])
         if sent.balance is not None:
             self.log.record(sent.balance)
         self.commit(at, sent.batch, reports, returned - sent.started, ahead=sent.ahead)
