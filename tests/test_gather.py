@@ -3,6 +3,7 @@ among them named, the dead told apart from the live."""
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -131,59 +132,74 @@ class Reporter:
         return SimpleNamespace(value=work["value"], data={"hits": 1, "misses": 0, "wait_s": 0.0})
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=4)
 class Counts:
-    """A node's shard cache as the relay asks it: its totals so far, after `delay` seconds."""
+    """A node's shard cache as the relay asks it: its totals so far; a gated one answers once opened."""
 
-    def __init__(self, delay: float = 0.0):
-        self.delay, self.fetched = delay, 0
+    def __init__(self, gated: bool = False):
+        self.gate, self.fetched = threading.Event(), 0
+        if not gated:
+            self.gate.set()
+
+    def open(self) -> None:
+        self.gate.set()
 
     def info(self) -> dict:
         return {}
 
     def stats(self) -> dict:
-        time.sleep(self.delay)
+        self.gate.wait()
         self.fetched += 1
         return {"fetched_bytes": 100 * self.fetched, "fetched_shards": self.fetched, "cached": [0], "pinned": []}
 
 
-def test_a_relay_brings_its_node_caches_counts_and_says_when_it_is_busy_or_gone(rng, tmp_path):
-    """The relay asks its node's cache as the step starts; the counts ride in its first member's report, which
-    DataPlane.cost reads in place of asking that cache itself: a cache that answers late is counted at a later step,
-    a dead one is dropped (and started again by the next watch)."""
+def test_a_relay_brings_its_node_caches_counts_without_waiting_for_them(rng, tmp_path):
+    """The relay asks its node's cache with a step and gives the answer back with the first step that ends after it
+    is in, one question at a time (the counts are totals: none is lost, none waited for); DataPlane.cost reads them
+    in place of asking that cache itself, and drops a dead one (the next watch starts another)."""
     members = [Reporter.remote() for _ in range(rng.randrange(1, 5))]
-    cache, slow = Counts.remote(), Counts.remote(delay=2.0)
+    cache, gated = Counts.remote(), Counts.remote(gated=True)
     relay = ray.remote(NodeRelay).options(num_cpus=0).remote()
+    n = iter(range(1, 10_000))
     try:
-        ray.get([cache.info.remote(), slow.info.remote()])  # one still starting is busy (counted later)
+        ray.get([cache.info.remote(), gated.info.remote()])
         works, faults = [{"value": i} for i in range(len(members))], [None] * len(members)
 
-        def counts(n: int, cache_sent=None, handles=None) -> dict:
-            answer = ray.get(relay.step.remote(n, 1, handles, works, faults, cache_sent))
+        def counts(cache_sent=None, handles=None) -> dict | None:
+            answer = ray.get(relay.step.remote(next(n), 1, handles, works, faults, cache_sent))
             assert [r.value for r in answer.results] == list(range(len(members)))
             assert all("cache" not in r.data for r in answer.results[1:])
             return answer.results[0].data.get("cache")
 
-        assert counts(1, handles=members) is None  # no cache sent yet: nothing asked
-        assert counts(2, ("node-a", cache)) == {"node": "node-a", "fetched_bytes": 100, "fetched_shards": 1}
-        assert counts(3) == {"node": "node-a", "fetched_bytes": 200, "fetched_shards": 2}  # held once sent
-        assert counts(4, ("node-a", slow)) == {"node": "node-a", "busy": True}
+        def next_counts(cache_sent=None) -> dict:
+            for _ in range(200):
+                if (c := counts(cache_sent)) is not None:
+                    return c
+                cache_sent = None
+                time.sleep(0.05)
+            raise AssertionError("no counts in 200 steps")
+
+        assert counts(handles=members) is None  # no cache sent yet: nothing asked
+        assert next_counts(("node-a", cache)) == {"node": "node-a", "fetched_bytes": 100, "fetched_shards": 1}
+        assert next_counts() == {"node": "node-a", "fetched_bytes": 200, "fetched_shards": 2}  # one at a time
+        assert all(counts(("node-a", gated) if i == 0 else None) is None for i in range(5))  # not waited for
+        gated.open.remote()
+        assert next_counts() == {"node": "node-a", "fetched_bytes": 100, "fetched_shards": 1}  # asked once in 5 steps
         ray.kill(cache)
         dead_by(cache, time.monotonic() + 30)
-        assert counts(5, ("node-a", cache)) == {"node": "node-a", "gone": True}
+        assert next_counts(("node-a", cache)) == {"node": "node-a", "gone": True}
 
         plane = DataPlane.__new__(DataPlane)  # the part of the data plane a step's cost needs
-        plane.caches, plane._fetched = {"node-a": cache, "node-b": slow}, {}
+        plane.caches, plane._fetched = {"node-a": cache, "node-b": gated}, {}
         seen = [{"hits": 2, "misses": 1, "wait_s": 0.5, "cache": {"node": "node-a", "fetched_bytes": 300,
-                 "fetched_shards": 3}}, {"hits": 1, "misses": 0, "wait_s": 0.1, "cache": {"node": "node-b",
-                 "busy": True}}]  # fmt: skip
-        assert plane.cost(seen) == {
-            "data_wait_s": 0.5, "cache_hits": 3, "cache_misses": 1, "fetched_bytes": 300, "fetched_shards": 3
-        }  # fmt: skip
+                 "fetched_shards": 3}}, {"hits": 1, "misses": 0, "wait_s": 0.1}]  # fmt: skip
+        expected = {"data_wait_s": 0.5, "cache_hits": 3, "cache_misses": 1, "fetched_bytes": 300, "fetched_shards": 3}
+        # node-b's asked here, its second answer (200 bytes, 2 shards: the relay had its first)
+        assert plane.cost(seen) == expected | {"fetched_bytes": 500, "fetched_shards": 5}
         seen[0]["cache"] = {"node": "node-a", "fetched_bytes": 500, "fetched_shards": 4}
-        assert plane.cost(seen)["fetched_bytes"] == 200  # what it fetched since
+        assert plane.cost(seen)["fetched_bytes"] == 200 + 100  # what each fetched since
         seen[0]["cache"] = {"node": "node-a", "gone": True}
-        assert plane.cost(seen)["fetched_shards"] == 0 and set(plane.caches) == {"node-b"}
+        assert plane.cost(seen)["fetched_shards"] == 1 and set(plane.caches) == {"node-b"}
     finally:
-        for actor in [*members, cache, slow, relay]:
+        for actor in [*members, cache, gated, relay]:
             ray.kill(actor)

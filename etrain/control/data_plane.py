@@ -85,7 +85,7 @@ class DataPlane:
         done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=STATS_S) if refs else ([], [])
         answers = _answers(done)
         counts = {node: answers[ref] for node, ref in refs.items() if ref in answers}  # a busy one: counted later
-        counts |= {node: None if c.get("gone") else c for node, c in relayed.items() if not c.get("busy")}
+        counts |= {node: None if c.get("gone") else c for node, c in relayed.items()}
         fetched = {"fetched_bytes": 0, "fetched_shards": 0}
         for node, stats in counts.items():
             if stats is None:  # its node is gone: so are its workers (a cache started there again counts from 0)

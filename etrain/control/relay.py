@@ -7,9 +7,10 @@ results at once, or at the first of them that fails (with what was back by then)
 failed step as early as it does without relays. It holds no state but its members' handles, sent with the first
 step of each group (`generation`), and imports no torch. Used from `cluster.relay_from` members on.
 
-The relay also asks its node's shard cache for its counts (what it fetched) as the step starts, and they ride back
-in its first member's report (`data["cache"]`): the coordinator otherwise asks every node's cache itself each step
-(DataPlane.cost), 128 calls and their answers a step at 1,024 members.
+The relay also asks its node's shard cache for its counts (what it fetched), and they ride back in its first member's
+report (`data["cache"]`): the coordinator otherwise asks every node's cache itself each step (DataPlane.cost), 128
+calls and their answers a step at 1,024 members. The question goes out with a step and its answer rides with the
+first step that ends after it is back: never waited for (the counts are totals: late is counted later).
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ from dataclasses import dataclass, field
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-CACHE_S = 0.05  # how long an answer waits for its node cache's counts once its members are back: a busy cache is
-# counted at a later step (the counts are totals), as DataPlane.cost's own wait for them
 
 
 @dataclass
@@ -42,6 +40,7 @@ class NodeRelay:
     def __init__(self):
         self.generation, self.members = -1, []
         self.cache: tuple[str, object] | None = None  # its node's id and shard cache, once sent
+        self.counting: asyncio.Future | None = None  # that cache's counts, asked for and not yet given back
 
     def ready(self) -> bool:
         """For a caller that waits for the relay's start."""
@@ -56,12 +55,15 @@ class NodeRelay:
             self.generation, self.members = generation, handles
         if generation != self.generation:
             raise RuntimeError(f"this relay holds the members of group {self.generation}, not of group {generation}")
-        self.cache = cache or self.cache
+        if cache is not None:
+            self.cache, self.counting = cache, None
         refs = [m.step.remote(n, work, fault) for m, work, fault in zip(self.members, works, faults)]
-        counts = self.cache[1].stats.remote() if self.cache is not None else None
+        if self.cache is not None and self.counting is None:
+            self.counting = asyncio.ensure_future(_result(self.cache[1].stats.remote()))
         out = await answers(refs)
-        if counts is not None and out.failed is None:
-            out.results[0].data["cache"] = await cache_counts(self.cache[0], counts)
+        if self.counting is not None and self.counting.done() and out.failed is None:
+            out.results[0].data["cache"] = cache_counts(self.cache[0], self.counting)
+            self.counting = None
         return out
 
 
@@ -95,15 +97,12 @@ async def _result(ref):
     return await ref
 
 
-async def cache_counts(node: str, ref) -> dict:
-    """A node cache's counts for the coordinator (DataPlane.cost): its fetched shards and bytes, or that it was
-    busy (`busy`: counted later) or is gone (`gone`: the coordinator starts another)."""
-    try:
-        stats = await asyncio.wait_for(_result(ref), CACHE_S)
-    except TimeoutError:
-        return {"node": node, "busy": True}
-    except ray.exceptions.RayActorError:
+def cache_counts(node: str, counting: asyncio.Future) -> dict:
+    """A node cache's counts for the coordinator (DataPlane.cost): its fetched shards and bytes, or that it is gone
+    (`gone`: the coordinator starts another)."""
+    if isinstance(counting.exception(), ray.exceptions.RayActorError):
         return {"node": node, "gone": True}
+    stats = counting.result()  # any other error is the relay's own, raised
     return {"node": node, "fetched_bytes": stats["fetched_bytes"], "fetched_shards": stats["fetched_shards"]}
 
 
