@@ -340,11 +340,15 @@ class Fleet:
     """Makes the workers: in this process (`actors=False`) or as real Ray actors; each call's workers on a node of
     their own, the first group's NODE to a node."""
 
-    def __init__(self, actors: bool = False):
-        self.actors, self.nodes, self._gone, self._echo = actors, itertools.count(), None, None
+    def __init__(self, actors: bool = False, inline: bool = True):
+        self.actors, self.inline, self.nodes, self._gone, self._echo = actors, inline, itertools.count(), None, None
 
     def answer(self, value):
-        """A ref of `value` as a real actor's answer: back (in the fake's time, subtracted), inline."""
+        """A ref of `value` as a real actor's answer: back (in the fake's time, subtracted), inline; without
+        `inline`, through the object store (`ray.put`: cheaper to make, slower to read: for what a session does,
+        not its times)."""
+        if not self.inline:
+            return ray.put(value)
         if self._echo is None:
             self._echo = Echo.remote()
         ref = self._echo.call.remote(value)

@@ -23,7 +23,7 @@ def scale():
 def test_a_session_commits_every_step_replaces_the_lost_member_and_grows_by_a_node(ray_session, scale, n, extra):
     """At 64 a step goes through the nodes' relays (the default from 64 members), or to each member itself."""
     steps = 3
-    result = scale.run_session(n, scale.Fleet(), steps=steps, extra=extra)
+    result = scale.run_session(n, scale.Fleet(inline=False), steps=steps, extra=extra)  # what it does, not its times
     facts = result.pop("facts")
     relayed = scale.relayed(n) and not extra  # a relay per node that carried a member: 8 each, the joiners' nodes
     assert facts["relays"] >= n // scale.NODE if relayed else facts["relays"] == 0
@@ -51,7 +51,7 @@ def test_the_fakes_are_gone_from_the_process_after_a_session(ray_session, scale)
     from etrain.control.data_plane import DataPlane
     from etrain.control.relay import Relays
 
-    scale.run_session(8, scale.Fleet(), steps=1)
+    scale.run_session(8, scale.Fleet(inline=False), steps=1)
     assert "spawn" not in vars(etrain.worker) and ray.kill.__module__ == "ray._private.worker"
     assert ray.get is scale.REAL_GET and ray.wait is scale.REAL_WAIT
     assert DataPlane.start_caches.__module__ == "etrain.control.data_plane"
