@@ -201,6 +201,9 @@ class FakeRelay:
     """A node's relay (etrain/control/relay.py) in this process: its members' steps run here, every one of them
     called (as the real relay submits them all), and the answer names the first that failed."""
 
+    def __init__(self):
+        self.members, self.cache = [], None
+
     def ready(self) -> bool:
         return True
 
@@ -209,7 +212,7 @@ class FakeRelay:
 
         if handles is not None:
             self.members = handles
-        self.cache = cache or getattr(self, "cache", None)
+        self.cache = cache or self.cache
         out = Relayed([None] * len(works), [False] * len(works))
         for i, (h, work, fault) in enumerate(zip(self.members, works, faults)):
             try:

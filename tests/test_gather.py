@@ -153,7 +153,7 @@ class Counts:
         return {"fetched_bytes": 100 * self.fetched, "fetched_shards": self.fetched, "cached": [0], "pinned": []}
 
 
-def test_a_relay_brings_its_node_caches_counts_without_waiting_for_them(rng, tmp_path):
+def test_a_relay_brings_its_node_caches_counts_without_waiting_for_them(rng):
     """The relay asks its node's cache with a step and gives the answer back with the first step that ends after it
     is in, one question at a time (the counts are totals: none is lost, none waited for); DataPlane.cost reads them
     in place of asking that cache itself, and drops a dead one (the next watch starts another)."""

@@ -83,10 +83,10 @@ class Dashboard:
         if value is not None:
             gauge, tags = gauge or self.gauges[name], {**self.tags, **extra}
             gauge.set(float(value), tags=tags)
-            self.held[(name, tuple(extra.items()))] = (gauge, float(value), tags)
+            self.held[_held(name, extra)] = (gauge, float(value), tags)
 
     def node_risk(self, node: str, score: float) -> None:
-        held = self.held.get(("risk", (("node", node),)))
+        held = self.held.get(_held("risk", {"node": node}))
         if held is None or held[1] != score:  # unchanged, a train record sets it again (every node, every step)
             self._set("risk", score, self.risk, node=node)
 
@@ -134,3 +134,8 @@ class Dashboard:
             self.fetched.inc(r["fetched_bytes"], tags=self.tags)
         for gauge, value, tags in self.held.values():  # the values of earlier events, so their series stay
             gauge.set(value, tags=tags)
+
+
+def _held(name: str, extra: dict) -> tuple:
+    """A gauge's key in Dashboard.held: its name and its tags beyond the run's."""
+    return name, tuple(extra.items())
