@@ -11,8 +11,9 @@ so the coordinator's dicts and `in` tests cost what they cost with real handles.
 call with a ref of a real killed actor (RayActorError); a worker whose step fails answers with a RayTaskError.
 The warm pool's `spawn`, `ray.kill`, the node caches, the node relays and the telemetry actors are redirected to
 fakes while a session runs (`redirected`); the coordinator's code is not changed for it. From cluster.relay_from
-members on (64), a step goes to each node's relay (etrain/control/relay.py), which calls its 8 members: each such
-size also runs as `direct-N`, the same coordinator calling every member itself (relay_from=0), the ratio beside.
+members on (64), a step goes to each node's relay (etrain/control/relay.py), which calls its 8 members, and so
+do a member change's calls (pings, the group's exit and forming, a failed step's stop): each such size also runs as
+`direct-N`, the same coordinator calling every member itself (relay_from=0), the ratio beside.
 
 A step takes no time on the workers (a set step time of zero): a step's wall time is the coordinator's. What the
 fakes themselves spend (their answer's way through the echoing actor) is timed and subtracted, and their objects
@@ -198,40 +199,78 @@ CACHE_ACTOR = ray.remote(num_cpus=0)(FakeCache)
 
 
 class FakeRelay:
-    """A node's relay (etrain/control/relay.py) in this process: its members' steps run here, every one of them
-    called (as the real relay submits them all), and the answer names the first that failed."""
+    """A node's relay (etrain/control/relay.py) in this process: its members' calls run here, every one of them
+    (as the real relay submits them all), and the answer names the first that failed."""
 
     def __init__(self):
-        self.members, self.cache = [], None
+        self.members, self.cache, self.handles = [], None, {}
 
     def ready(self) -> bool:
         return True
 
-    def step(self, n: int, generation: int, handles: list | None, works: list[dict], faults: list, cache=None):
+    def step(self, n: int, generation: int, members: list | None, new: list, works: list, faults: list, cache=None):
+        self._adopt(new)
+        if members is not None:
+            self.members = [self.handles[m] for m in members]
+        self.cache = cache or self.cache
+        out = self._answers([(h, "step", (n, work, fault)) for h, work, fault in zip(self.members, works, faults)])
+        if self.cache is not None and out.failed is None:  # the node cache's counts, as the real relay adds them
+            node, cache = self.cache
+            out.results[0].data["cache"] = {"node": node, **cache.target.stats()}
+        return out
+
+    def call(self, method: str, members: list[str], new: list, args: list):
+        self._adopt(new)
+        return self._answers([(self.handles[m], method, a) for m, a in zip(members, args)])
+
+    def ping(self, members: list[str], new: list, timeout: float) -> list[str]:
+        from etrain.control.relay import ALIVE, DEAD
+
+        self._adopt(new)
+        said = []
+        for m in members:
+            h = self.handles[m]
+            try:
+                if h.dead:
+                    raise Died
+                h.target.info()
+                said.append(ALIVE)
+            except Died:
+                h.dead = True
+                said.append(DEAD)
+        return said
+
+    def tell(self, method: str, members: list[str], new: list, args: list) -> None:
+        self._adopt(new)
+        for m, a in zip(members, args):
+            if not self.handles[m].dead:
+                getattr(self.handles[m].target, method)(*a)
+
+    def _adopt(self, new: list) -> None:
+        from etrain.control.relay import key
+
+        for h in new:
+            self.handles[key(h)] = h
+
+    def _answers(self, calls: list):
         from etrain.control.relay import Relayed
 
-        if handles is not None:
-            self.members = handles
-        self.cache = cache or self.cache
-        out = Relayed([None] * len(works), [False] * len(works))
-        for i, (h, work, fault) in enumerate(zip(self.members, works, faults)):
+        out = Relayed([None] * len(calls), [False] * len(calls))
+        for i, (h, method, args) in enumerate(calls):
             try:
                 if h.dead:
                     raise ray.exceptions.RayActorError()
-                out.results[i], out.back[i] = h.target.step(n, work, fault), True
+                out.results[i], out.back[i] = getattr(h.target, method)(*args), True
             except Died:
                 h.dead, error = True, ray.exceptions.RayActorError()
             except ray.exceptions.RayActorError as e:
                 error = e
             except Exception as e:
-                error = ray.exceptions.RayTaskError("step", traceback.format_exc(), e)
+                error = ray.exceptions.RayTaskError(method, traceback.format_exc(), e)
             else:
                 continue
             if out.failed is None:
                 out.failed, out.error = i, error
-        if self.cache is not None and out.failed is None:  # the node cache's counts, as the real relay adds them
-            node, cache = self.cache
-            out.results[0].data["cache"] = {"node": node, **cache.target.stats()}
         return out
 
 

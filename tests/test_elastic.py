@@ -86,13 +86,13 @@ def test_a_step_sent_ahead_is_the_step_sent_after_and_a_failure_before_it_discar
         assert measured == {n: expected[n] for n in measured}
 
 
-def test_a_run_through_node_relays_replaces_a_lost_worker_and_stays_on_the_trajectory(make_cfg, reference, family):
+def test_a_run_through_node_relays_replaces_a_lost_worker_and_stays_on_the_trajectory(make_cfg, reference, family, rng):
     """cluster.relay_from=2: each step reaches the members through their node's relay (etrain/control/relay.py),
-    one call per node. A worker lost at a step, rank and kind drawn from a seed: every step once, the reference's
-    losses (bitwise where the world came back at once), the recovery the one a direct call's failure leads to."""
-    rng = random.Random(seed := random.randrange(2**32))
+    one call per node, and so do the recovery's pings and the group's re-forming. A worker lost at a step, rank and
+    kind drawn from a seed: every step once, the reference's losses (bitwise where the world came back at once), the
+    recovery the one a direct call's failure leads to."""
     step, rank, kind = rng.randrange(2, 59), rng.randrange(2), rng.choice(["kill", "kill_in_allreduce", "hang"])
-    print(f"seed {seed}: {kind} of rank {rank} at step {step}")
+    print(f"{kind} of rank {rank} at step {step}")
     fault = f"faults=[{{rank: {rank}, step: {step}, kind: {kind}}}]"
     run_dir = run(make_cfg, "relayed", *family, "train.steps=60", "train.eval_every=60", "cluster.relay_from=2", fault)
     steps = records(run_dir, "train")
@@ -100,7 +100,8 @@ def test_a_run_through_node_relays_replaces_a_lost_worker_and_stays_on_the_traje
     # a relayed step is sent once the one before is back (a survivor alone, while the pool starts, is not relayed)
     assert not any(r.get("sent_ahead") for r in steps if r["world_size"] >= 2)
     # the node cache's counts come in its relay's answers (the coordinator asks no relayed node's cache itself)
-    assert sum(r["fetched_shards"] for r in steps if r["world_size"] >= 2) >= 1
+    # (a step the survivors of a loss in its all-reduce committed has no reports, and no counts)
+    assert sum(r.get("fetched_shards", 0) for r in steps if r["world_size"] >= 2) >= 1
     [change, *_] = records(run_dir, "membership")
     assert (change["reason"], change["lost"]) == ("recover", 1)
     assert change["step"] in ((step - 1, step) if kind == "kill_in_allreduce" else (step - 1,))

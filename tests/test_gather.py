@@ -13,7 +13,7 @@ import ray
 from etrain.control.control import JobError
 from etrain.control.data_plane import DataPlane
 from etrain.control.gather import WorkersLost, gather
-from etrain.control.relay import NodeRelay
+from etrain.control.relay import NodeRelay, Relays, key
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -35,6 +35,13 @@ class Member:
 
     def release(self) -> bool:
         return False
+
+    def mark(self, value: int) -> None:
+        """What a relay's `tell` calls: kept, for `marks`."""
+        self.told = [*getattr(self, "told", []), value]
+
+    def marks(self) -> list:
+        return getattr(self, "told", [])
 
 
 def dead_by(actor, deadline: float) -> None:
@@ -93,7 +100,8 @@ def test_through_node_relays_the_answers_come_back_by_rank_and_a_failure_is_name
                 relays[placed[span[0]]].step.remote(
                     n,
                     generation,
-                    [members[r] for r in span] if first else None,
+                    [key(members[r]) for r in span] if first else None,
+                    [members[r] for r in span] if first else [],
                     [{"value": r, "delay": delays[r]} for r in span],
                     [faults.get(r) for r in span],
                 )
@@ -121,6 +129,65 @@ def test_through_node_relays_the_answers_come_back_by_rank_and_a_failure_is_name
         assert len(lost.value.finished) == 10 and lost.value.finished[dead] is False
     finally:
         for actor in members + relays:
+            ray.kill(actor)
+
+
+def test_a_member_changes_calls_pings_and_stops_go_through_the_relays_each_handle_sent_once(rng):
+    """Relays.call, ping and tell (a member change's calls, a failure's pings, a failed step's stop) over members
+    spread at random over three relays: results in rank order, a failure named, a handle sent to its relay once; the
+    dead, the silent (busy in a long call) and the alive told apart, the members of a relay that is gone pinged
+    directly; a gather's failure pinged through the relays names the dead."""
+    members = [Member.remote() for _ in range(10)]
+    relays = Relays()
+    relays.actors = {f"node-{i}": ray.remote(NodeRelay).options(num_cpus=0).remote() for i in range(3)}
+    retired = []
+    try:
+        nodes = [f"node-{rng.randrange(3)}" for _ in members]
+        print(f"nodes by rank: {nodes}")
+        assert relays.covers(nodes) and not relays.covers([*nodes, "node-9"])
+
+        def ask(method: str, args: list, what: str = "a call") -> list:
+            refs, spans = relays.call(method, members, nodes, args)
+            return gather(refs, members, what, 30, 5, retired.extend, spans=spans, pings=ping_through)
+
+        def ping_through(workers: list, timeout: float):
+            return relays.ping(workers, [nodes[members.index(w)] for w in workers], timeout)
+
+        delays = [rng.random() * 0.05 for _ in members]
+        assert ask("answer", [(r, delays[r]) for r in range(10)]) == list(range(10))
+        assert {n: len(s) for n, s in relays.sent.items()} == {n: nodes.count(n) for n in set(nodes)}
+        assert relays._named(nodes[0], [members[0]])[1] == []  # sent once: named by its id after that
+        bad = rng.randrange(10)
+        print(f"member {bad} fails")
+        with pytest.raises(JobError, match=f"a call failed on live workers.*member {bad} failed"):
+            ask("answer", [(r, delays[r], r == bad) for r in range(10)])
+
+        value = rng.randrange(1000)
+        relays.tell("mark", members, nodes, (value,))
+        deadline = time.monotonic() + 30  # not waited for: the relays' calls land a moment later
+        while (told := ray.get([m.marks.remote() for m in members])) != [[value]] * 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert told == [[value]] * 10
+
+        dead, busy = rng.sample(range(10), 2)
+        print(f"member {dead} killed, member {busy} busy")
+        ray.kill(members[dead])
+        dead_by(members[dead], time.monotonic() + 30)
+        members[busy].answer.remote(busy, 60.0)
+        assert relays.ping(members, nodes, 1.0) == ([members[dead]], [members[busy]])
+        gone = next(n for n in relays.actors if n in nodes)
+        ray.kill(relays.actors[gone])
+        # the killed relay's members pinged directly: the same verdicts
+        assert relays.ping(members, nodes, 1.0) == ([members[dead]], [members[busy]])
+        del relays.actors[gone]
+        relays.actors[gone] = ray.remote(NodeRelay).options(num_cpus=0).remote()
+        relays.sent.pop(gone)  # a new relay holds no handle yet (Relays._start)
+        with pytest.raises(WorkersLost) as lost:
+            ask("info", [()] * 10, "group exit")
+        # in rank order; the busy one is not released (it waits in no rendezvous)
+        assert lost.value.lost == [members[r] for r in sorted((dead, busy))] == retired
+    finally:
+        for actor in members + list(relays.actors.values()):
             ray.kill(actor)
 
 
@@ -166,7 +233,8 @@ def test_a_relay_brings_its_node_caches_counts_without_waiting_for_them(rng):
         works, faults = [{"value": i} for i in range(len(members))], [None] * len(members)
 
         def counts(cache_sent=None, handles=None) -> dict | None:
-            answer = ray.get(relay.step.remote(next(n), 1, handles, works, faults, cache_sent))
+            ids = [key(h) for h in handles] if handles else None
+            answer = ray.get(relay.step.remote(next(n), 1, ids, handles or [], works, faults, cache_sent))
             assert [r.value for r in answer.results] == list(range(len(members)))
             assert all("cache" not in r.data for r in answer.results[1:])
             return answer.results[0].data.get("cache")

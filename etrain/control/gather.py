@@ -42,6 +42,7 @@ def gather(
     timeout_name: str = "",
     stop: Callable[[], None] | None = None,
     spans: list[list[int]] | None = None,
+    pings: Callable[[list, float], tuple[list, list]] | None = None,
 ) -> list:
     """The results of `refs`, in order. `among` are the workers answerable for them (pinged on a failure). `queued`:
     calls made to them after these (a step sent ahead, control/step.py), which a worker ends before it can answer a
@@ -50,7 +51,8 @@ def gather(
     before the pings, to end the work the others still do for a call that can no longer succeed (a step: a ping
     waits for it, and a recovery with it). `spans`: `refs` are node relays' (relay.py), `spans[i]` the ranks in
     `among` the i-th answers for; the results are then the members', in rank order, and a relay's answer that
-    names a member's failure fails the wait as that member's own answer would."""
+    names a member's failure fails the wait as that member's own answer would. `pings`: how the workers are pinged
+    (`ping`'s signature; through their relays, relay.py)."""
     results, pending, failed = {}, list(refs), None
     deadline = time.perf_counter() + timeout
     while pending and failed is None and time.perf_counter() < deadline:
@@ -81,7 +83,7 @@ def gather(
         stop()
     if queued:
         ray.wait(list(queued), num_returns=len(queued), timeout=queued_s)
-    lost = find_lost(among, what, cause, ping_s, retire, details or None)
+    lost = find_lost(among, what, cause, ping_s, retire, details or None, pings or ping)
     said = why(cause) if isinstance(cause, BaseException) else str(cause)
     finished = [r in results for r in refs] if spans is None else _by_rank(refs, spans, results, "back", False)
     raise WorkersLost(what, lost, finished, said)
@@ -138,23 +140,21 @@ def _by_rank(refs: list, spans: list[list[int]], results: dict, part: str, missi
 
 
 def find_lost(
-    workers: list, what: str, cause, ping_s: float, retire: Callable[[list], None], details: str | None = None
+    workers: list,
+    what: str,
+    cause,
+    ping_s: float,
+    retire: Callable[[list], None],
+    details: str | None = None,
+    pings: Callable[[list, float], tuple[list, list]] | None = None,
 ) -> list:
-    """The workers that are dead or do not answer a ping within `ping_s`, stopped (a hung one would block the
-    next group too). None of them means `what` failed on live workers: a JobError saying `cause`, with `details`
-    (the worker's traceback) for the driver's log."""
-    pings = {w: w.info.remote() for w in workers}
-    back, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=ping_s)  # all at once: a get per
-    # ping cost a recovery 1,024 gets at 1,024 workers, and a ping_s each for the silent
-    _, dead = values_of(back)
-    back = set(back)
-    lost = []
-    for worker, ref in pings.items():
-        if ref in dead:  # it answered with its death
-            lost.append(worker)
-        elif ref not in back and not released(worker, ping_s):  # busy: hung, or waiting in a rendezvous for a
-            # peer that is gone
-            lost.append(worker)
+    """The workers that are dead or do not answer a ping within `ping_s` (`pings`: `ping`, or a relayed one),
+    stopped (a hung one would block the next group too). None of them means `what` failed on live workers: a
+    JobError saying `cause`, with `details` (the worker's traceback) for the driver's log."""
+    dead, silent = (pings or ping)(workers, ping_s)
+    dead, silent = set(dead), set(silent)
+    # busy: hung, or waiting in a rendezvous for a peer that is gone
+    lost = [w for w in workers if w in dead or (w in silent and not released(w, ping_s))]
     retire(lost)
     if not lost:
         raise JobError(
@@ -163,6 +163,16 @@ def find_lost(
             details,
         )
     return lost
+
+
+def ping(workers: list, ping_s: float) -> tuple[list, list]:
+    """The dead among `workers` (a ping answered with its death), and the silent (no answer within `ping_s`)."""
+    pings = {w: w.info.remote() for w in workers}
+    back, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=ping_s)  # all at once: a get per
+    # ping cost a recovery 1,024 gets at 1,024 workers, and a ping_s each for the silent
+    _, dead = values_of(back)
+    back = set(back)
+    return [w for w, ref in pings.items() if ref in dead], [w for w, ref in pings.items() if ref not in back]
 
 
 def released(worker, ping_s: float) -> bool:

@@ -23,7 +23,7 @@ import ray
 
 from etrain.control.control import JobError, autoscale, pool_size
 from etrain.control.data_plane import ATTACH_S
-from etrain.control.gather import WorkersLost, gather
+from etrain.control.gather import WorkersLost, gather, ping
 from etrain.control.pool import WarmPool
 from etrain.control.relay import Relays
 from etrain.control.step import Position
@@ -122,12 +122,48 @@ class Team:
         """control/gather.py's wait, with this run's ping timeout and the stop that releases cache pins; `queued`:
         calls made after these, waited for (up to timeouts.collective_s) before a failure's pings. `timeout`: a
         wait of another length (a join's); none, a step's work: timeouts.step_s, which a failure then names. `stop`:
-        what ends the others' work at a failure (a step's); `spans`: `refs` are node relays' (relay.py)."""
+        what ends the others' work at a failure (a step's); `spans`: `refs` are node relays' (relay.py). A failure's
+        pings go through the relays as the calls do."""
         t = self.cfg.timeouts
-        if timeout is None:
-            name = "timeouts.step_s"
-            return gather(refs, among, what, t.step_s, t.ping_s, self.retire, queued, t.collective_s, name, stop, spans)
-        return gather(refs, among, what, timeout, t.ping_s, self.retire, queued, t.collective_s, stop=stop, spans=spans)
+        name = "timeouts.step_s" if timeout is None else ""
+        timeout = t.step_s if timeout is None else timeout
+        return gather(
+            refs, among, what, timeout, t.ping_s, self.retire, queued, t.collective_s, name, stop, spans, self._pings
+        )
+
+    def ask(self, members: list, method: str, what: str, args: list | None = None, timeout: float | None = None):
+        """`method` of each member with `args[rank]` (none: no arguments), waited for as `gather` does: their results
+        in rank order. A call per node where the step's calls go through node relays (relay.py), so a member change
+        at 1,024 members is not 1,024 calls a phase."""
+        args = args if args is not None else [()] * len(members)
+        nodes = self._relayed_nodes(members)
+        if nodes is None:
+            refs = [getattr(w, method).remote(*a) for w, a in zip(members, args)]
+            return self.gather(refs, members, what, timeout)
+        refs, spans = self.relays.call(method, members, nodes, args)
+        return self.gather(refs, members, what, timeout, spans=spans)
+
+    def tell(self, members: list, method: str, *args) -> None:
+        """`method(*args)` of each member, not waited for (through the relays as `ask`'s calls)."""
+        nodes = self._relayed_nodes(members)
+        if nodes is not None:
+            self.relays.tell(method, members, nodes, args)
+            return
+        for w in members:
+            getattr(w, method).remote(*args)
+
+    def _pings(self, workers: list, timeout: float) -> tuple[list, list]:
+        """gather.py's `ping`, through the relays as `ask`'s calls."""
+        nodes = self._relayed_nodes(workers)
+        return ping(workers, timeout) if nodes is None else self.relays.ping(workers, nodes, timeout)
+
+    def _relayed_nodes(self, members: list) -> list[str] | None:
+        """The members' nodes, where calls to them go through relays: from cluster.relay_from members on, each
+        member's node known and its relay started (a change does not wait for a relay's start)."""
+        if not self.relayed(len(members)):
+            return None
+        nodes = [self.nodes.get(w) for w in members]
+        return nodes if None not in nodes and self.relays.covers(nodes) else None
 
     def retire(self, workers: list) -> None:
         """Stop workers for good, and release the shard-cache pins they held (a killed reader cannot)."""
@@ -266,7 +302,7 @@ class Team:
     def _give_back(self, leaving: list, joining: int) -> None:
         """Leavers out of the group and into the pool, which keeps its size plus the `joining` the change takes."""
         try:
-            self.gather([w.leave.remote() for w in leaving], leaving, "group exit", self.cfg.timeouts.join_s)
+            self.ask(leaving, "leave", "group exit", timeout=self.cfg.timeouts.join_s)
         except WorkersLost as gone:  # a leaver that died is simply not given back
             leaving = [w for w in leaving if w not in gone.lost]
         self.pool.give_back(leaving, keep=max(self.pool_size(), self.cfg.cluster.warm_pool + joining))
@@ -329,7 +365,7 @@ class Team:
         join_s, step = self.cfg.timeouts.join_s, at.step
         phases = phases if phases is not None else {}
         t = time.perf_counter()
-        infos = self.gather([w.info.remote() for w in members], members, "worker start", join_s)
+        infos = self.ask(members, "info", "worker start", timeout=join_s)
         self._note(members, infos)
         fresh = [(w, i["node"]) for w, i in zip(members, infos) if w not in self.data.attached]
         self.gather(
@@ -344,7 +380,7 @@ class Team:
             self.gather([w.load_state.remote(state, step) for w in behind], members, "state migration", join_s)
         phases["migrate"] = time.perf_counter() - t
         t = time.perf_counter()
-        self.gather([w.leave.remote() for w in members], members, "group exit", join_s)
+        self.ask(members, "leave", "group exit", timeout=join_s)
         if whole is not None and not self.mode.placed_state:  # a laid-out rank takes its part once in the group
             loaded = time.perf_counter()
             self.gather([w.load_state.remote(whole, step) for w in members], members, "state migration", join_s)
@@ -352,8 +388,8 @@ class Team:
             t += time.perf_counter() - loaded
         self.generation += 1
         host, port = self.gather([members[0].host_store.remote()], members, "store start", join_s)[0]
-        joins = [w.join.remote(rank, len(members), host, port, self.generation) for rank, w in enumerate(members)]
-        applied = self.gather(joins, members, "process group formation", join_s)
+        joins = [(rank, len(members), host, port, self.generation) for rank in range(len(members))]
+        applied = self.ask(members, "join", "process group formation", joins, join_s)
         phases["reform"] = time.perf_counter() - t
         if self.mode.placed_state and (whole is not None or reason != "start"):
             t = time.perf_counter()
@@ -405,9 +441,7 @@ class Team:
 
     def start_ps(self, at: Position) -> None:
         """Parameter-server mode: the workers as they are (no group), on their nodes' caches."""
-        infos = self.gather(
-            [w.info.remote() for w in self.workers], self.workers, "worker start", self.cfg.timeouts.join_s
-        )
+        infos = self.ask(self.workers, "info", "worker start", timeout=self.cfg.timeouts.join_s)
         self._note(self.workers, infos)
         self.gather(self.data.attach(self.workers, [i["node"] for i in infos], at.cursor), self.workers, "cache attach")
 

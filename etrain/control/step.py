@@ -112,7 +112,8 @@ class Stepper:
             self.ahead = self.send(n + 1, at.cursor + sent.batch, workers, ahead=True)
         try:
             queued = self.ahead.refs if self.ahead is not None else ()
-            stop = partial(stop_step, workers, self.team.generation, n)  # at a failure: the others end the step
+            # at a failure the others end the step (the actor's `stop_step`), not waited for
+            stop = partial(self.team.tell, workers, "stop_step", self.team.generation, n)
             reports: list[StepReport] = self.team.gather(
                 sent.refs, workers, f"step {n}", queued=queued, stop=stop, spans=sent.spans
             )
@@ -284,12 +285,6 @@ class Stepper:
         self.log.dashboard.pool(self.team.pool.ready())
         self.saver.stepped(at.step, at.cursor, batch)
         self.team.stepped()
-
-
-def stop_step(workers: list, generation: int, n: int) -> None:
-    """Step `n` of group `generation` lost a member: the others end it (the actor's `stop_step`), not waited for."""
-    for w in workers:
-        w.stop_step.remote(generation, n)
 
 
 def evaluate(team, eval_ids: np.ndarray, faults: dict | None = None) -> float | None:
