@@ -44,6 +44,7 @@ class HealthWatch:
         self.drains: dict[str, int] = {}
         self.lemons: list[str] = []
         self._next_read = 0.0
+        self._by_node: tuple[list, dict] | None = None  # the members' list it was made from, the members by node
 
     # -- what comes in ------------------------------------------------------------------
 
@@ -92,7 +93,6 @@ class HealthWatch:
         """At each step boundary: read, assess every node, act. The nodes whose members leave now (`draining`);
         `kept_off` and `replacements` say where no new worker goes and how many the pool should add."""
         self._read()
-        self.drift.forget(set(self.team.workers))  # a set: `in` the members' list, for each of them, is O(N²)
         members = self._members_by_node()
         for node in set(self.nodes) | set(members):
             self.risk[node] = risk = self._assess(node, members.get(node, []))
@@ -153,10 +153,18 @@ class HealthWatch:
                 self._mark(step, node, self.risk.get(node, combine([], [], False)), "release")
 
     def _members_by_node(self) -> dict[str, list]:
+        """The members on each node; made again (and the drift of those who left forgotten) only when the group
+        changed: the team makes a new list of members at each change, and a member's node is fixed."""
+        workers = self.team.workers
+        if self._by_node is not None and self._by_node[0] is workers:
+            return self._by_node[1]
+        self.drift.forget(set(workers))  # a set: `in` the members' list, for each of them, is O(N²)
         by: dict[str, list] = {}
-        for w in self.team.workers:
+        for w in workers:
             if (node := self.team.nodes.get(w)) is not None:
                 by.setdefault(node, []).append(w)
+        if None not in map(self.team.nodes.get, workers):  # kept once every member's node is known
+            self._by_node = (workers, by)
         return by
 
     def _mark(self, step: int, node: str, risk: Risk, action: str) -> None:

@@ -280,7 +280,8 @@ class Team:
 
     def draining_members(self) -> int:
         """Members on draining nodes: they leave at the next step boundary."""
-        return sum(self.nodes.get(w) in self.draining for w in self.workers)
+        draining = self.draining  # a union, made once: not once a member (1,024 a step at 1,024 members)
+        return sum(self.nodes.get(w) in draining for w in self.workers) if draining else 0
 
     def request(self, workers: int) -> None:
         """`etrain scale`: a manual request pins the size, and the autoscaling policy stops for this run."""
