@@ -219,13 +219,20 @@ class Counts:
         self.fetched += 1
         return {"fetched_bytes": 100 * self.fetched, "fetched_shards": self.fetched, "cached": [0], "pinned": []}
 
+    def release_holder(self, holder: str) -> None:
+        self.released = [*getattr(self, "released", []), holder]
+
+    def holders_released(self) -> list:
+        return getattr(self, "released", [])
+
 
 def test_a_relay_brings_its_node_caches_counts_without_waiting_for_them(rng):
     """The relay asks its node's cache with a step and gives the answer back with the first step that ends after it
     is in, one question at a time (the counts are totals: none is lost, none waited for); DataPlane.cost reads them
-    in place of asking that cache itself, and drops a dead one (the next watch starts another)."""
+    in place of asking that cache itself, and drops a dead one (the next watch starts another). A stopped worker's
+    pins are released in its node's cache alone (DataPlane.release), in every cache where its node is unknown."""
     members = [Reporter.remote() for _ in range(rng.randrange(1, 5))]
-    cache, gated = Counts.remote(), Counts.remote(gated=True)
+    cache, gated, other = Counts.remote(), Counts.remote(gated=True), Counts.remote()
     relay = ray.remote(NodeRelay).options(num_cpus=0).remote()
     n = iter(range(1, 10_000))
     try:
@@ -268,6 +275,20 @@ def test_a_relay_brings_its_node_caches_counts_without_waiting_for_them(rng):
         assert plane.cost(seen)["fetched_bytes"] == 200 + 100  # what each fetched since
         seen[0]["cache"] = {"node": "node-a", "gone": True}
         assert plane.cost(seen)["fetched_shards"] == 1 and set(plane.caches) == {"node-b"}
+
+        # a stopped worker's pins: in its node's cache only, in every cache where its node is not known
+        plane.caches, plane.attached = {"node-b": gated, "node-c": other}, set(members)
+        expected = {"node-b": [], "node-c": []}
+        for worker, node in zip(members, rng.choices(["node-b", "node-c", None, "node-gone"], k=len(members))):
+            print(f"a worker of node {node} released")
+            plane.release(worker, node)
+            for name in [node] if node in plane.caches else plane.caches:
+                expected[name].append(key(worker))
+        deadline = time.monotonic() + 30  # not waited for: the calls land a moment later
+        while (got := {n: ray.get(c.holders_released.remote()) for n, c in plane.caches.items()}) != expected:
+            assert time.monotonic() < deadline, got
+            time.sleep(0.05)
+        assert plane.attached == set()
     finally:
-        for actor in [*members, cache, gated, relay]:
+        for actor in [*members, cache, gated, other, relay]:
             ray.kill(actor)

@@ -70,10 +70,12 @@ class DataPlane:
             w.attach_cache.remote(self.caches[n], self.layout, cursor if read else None) for w, n in zip(workers, nodes)
         ]
 
-    def release(self, worker) -> None:
-        """Every pin of a worker that was stopped. A reader's holder name is its actor id (no public accessor)."""
+    def release(self, worker, node: str | None = None) -> None:
+        """Every pin of a worker that was stopped: in its `node`'s cache, the only one it reads through; in every
+        cache where its node is not known (a call per node for each worker lost: 128 calls each at 1,024 workers).
+        A reader's holder name is its actor id (no public accessor)."""
         self.attached.discard(worker)
-        for cache in self.caches.values():
+        for cache in [self.caches[node]] if node in self.caches else self.caches.values():
             cache.release_holder.remote(worker._actor_id.hex())
 
     def cost(self, per_worker: list[dict]) -> dict:

@@ -169,7 +169,7 @@ class Team:
         """Stop workers for good, and release the shard-cache pins they held (a killed reader cannot)."""
         for w in workers:
             ray.kill(w)
-            self.data.release(w)
+            self.data.release(w, self.nodes.get(w))
 
     # -- the cluster, between steps ---------------------------------------------
 
