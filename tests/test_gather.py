@@ -204,7 +204,7 @@ class Counts:
     """A node's shard cache as the relay asks it: its totals so far; a gated one answers once opened."""
 
     def __init__(self, gated: bool = False):
-        self.gate, self.fetched = threading.Event(), 0
+        self.gate, self.fetched, self.released = threading.Event(), 0, []
         if not gated:
             self.gate.set()
 
@@ -220,10 +220,10 @@ class Counts:
         return {"fetched_bytes": 100 * self.fetched, "fetched_shards": self.fetched, "cached": [0], "pinned": []}
 
     def release_holder(self, holder: str) -> None:
-        self.released = [*getattr(self, "released", []), holder]
+        self.released.append(holder)  # one call at a time or not (4 threads): an append is never lost
 
     def holders_released(self) -> list:
-        return getattr(self, "released", [])
+        return list(self.released)
 
 
 def test_a_relay_brings_its_node_caches_counts_without_waiting_for_them(rng):
@@ -284,8 +284,9 @@ def test_a_relay_brings_its_node_caches_counts_without_waiting_for_them(rng):
             plane.release(worker, node)
             for name in [node] if node in plane.caches else plane.caches:
                 expected[name].append(key(worker))
-        deadline = time.monotonic() + 30  # not waited for: the calls land a moment later
-        while (got := {n: ray.get(c.holders_released.remote()) for n, c in plane.caches.items()}) != expected:
+        expected = {n: sorted(holders) for n, holders in expected.items()}
+        deadline = time.monotonic() + 30  # not waited for: the calls land a moment later, in any order (4 threads)
+        while (got := {n: sorted(ray.get(c.holders_released.remote())) for n, c in plane.caches.items()}) != expected:
             assert time.monotonic() < deadline, got
             time.sleep(0.05)
         assert plane.attached == set()
