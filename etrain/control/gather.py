@@ -83,7 +83,7 @@ def gather(
         stop()
     if queued:
         ray.wait(list(queued), num_returns=len(queued), timeout=queued_s)
-    lost = find_lost(among, what, cause, ping_s, retire, details or None, pings or ping)
+    lost = find_lost(among, what, cause, ping_s, retire, details or None, pings)
     said = why(cause) if isinstance(cause, BaseException) else str(cause)
     finished = [r in results for r in refs] if spans is None else _by_rank(refs, spans, results, "back", False)
     raise WorkersLost(what, lost, finished, said)

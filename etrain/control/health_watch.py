@@ -161,10 +161,10 @@ class HealthWatch:
         self.drift.forget(set(workers))  # a set: `in` the members' list, for each of them, is O(N²)
         by: dict[str, list] = {}
         for w in workers:
-            if (node := self.team.nodes.get(w)) is not None:
-                by.setdefault(node, []).append(w)
-        if None not in map(self.team.nodes.get, workers):  # kept once every member's node is known
+            by.setdefault(self.team.nodes.get(w), []).append(w)
+        if None not in by:  # kept once every member's node is known
             self._by_node = (workers, by)
+        by.pop(None, None)
         return by
 
     def _mark(self, step: int, node: str, risk: Risk, action: str) -> None:

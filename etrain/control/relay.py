@@ -203,23 +203,23 @@ class Relays:
     def call(self, method: str, workers: list, nodes: list[str], args: list[tuple]):
         """`method` of each of `workers` (on `nodes`) with `args[rank]`, a call per node: the relays' refs and
         their spans, as `step`'s."""
-        refs, spans = [], by_node(nodes)
-        for node, ranks in spans.items():
-            members, new = self._named(node, [workers[r] for r in ranks])
-            refs.append(self.actors[node].call.remote(method, members, new, [args[r] for r in ranks]))
-        return refs, list(spans.values())
+        refs, spans = [], []
+        for relay, ranks, members, new in self._per_node(workers, nodes):
+            refs.append(relay.call.remote(method, members, new, [args[r] for r in ranks]))
+            spans.append(ranks)
+        return refs, spans
 
     def ping(self, workers: list, nodes: list[str], timeout: float) -> tuple[list, list]:
         """gather.py's `ping` through the relays: the dead among `workers` (on `nodes`) and the silent. The members
         of a relay that is gone, or does not answer within `timeout` and ANSWER_S, are pinged directly."""
-        refs, spans = [], by_node(nodes)
-        for node, ranks in spans.items():
-            members, new = self._named(node, [workers[r] for r in ranks])
-            refs.append(self.actors[node].ping.remote(members, new, timeout))
+        refs, spans = [], []
+        for relay, ranks, members, new in self._per_node(workers, nodes):
+            refs.append(relay.ping.remote(members, new, timeout))
+            spans.append(ranks)
         back, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout + ANSWER_S)
         said, _ = values_of(back)
         dead, silent, unasked = [], [], []
-        for ref, ranks in zip(refs, spans.values()):
+        for ref, ranks in zip(refs, spans):
             if ref not in said:
                 unasked += [workers[r] for r in ranks]
                 continue
@@ -233,13 +233,17 @@ class Relays:
 
     def tell(self, method: str, workers: list, nodes: list[str], args: tuple) -> None:
         """`method(*args)` of each of `workers`, through their relays, not waited for."""
-        for node, ranks in by_node(nodes).items():
-            members, new = self._named(node, [workers[r] for r in ranks])
-            self.actors[node].tell.remote(method, members, new, [args] * len(ranks))
+        for relay, ranks, members, new in self._per_node(workers, nodes):
+            relay.tell.remote(method, members, new, [args] * len(ranks))
 
     def covers(self, nodes) -> bool:
         """Whether each of `nodes` has a relay started (a member change does not wait for one to start)."""
         return self.actors.keys() >= set(nodes)
+
+    def _per_node(self, workers: list, nodes: list[str]):
+        """For each node of `workers` (on `nodes`): its relay, the ranks there, their ids and the handles it lacks."""
+        for node, ranks in by_node(nodes).items():
+            yield self.actors[node], ranks, *self._named(node, [workers[r] for r in ranks])
 
     def _named(self, node: str, workers: list) -> tuple[list[str], list]:
         """`workers`' ids for `node`'s relay, and the handles of those it was not sent yet."""
