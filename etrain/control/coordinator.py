@@ -33,7 +33,7 @@ from etrain.control.faults import FaultPlan
 from etrain.control.gather import WorkersLost
 from etrain.control.guards import Guards
 from etrain.control.health_watch import HealthWatch
-from etrain.control.membership import Lost, Team, whole_replicas
+from etrain.control.membership import Lost, Team, preempted_nodes, whole_replicas, worker_nodes
 from etrain.control.outer_steps import OuterSteps
 from etrain.control.run_status import status_of, wanted_size
 from etrain.control.runlog import RunLog
@@ -127,6 +127,8 @@ class Coordinator:
             # DCP's reader, imported now in this thread, while the workers start: imported first in a recovery, torch's
             # distributed packages once raced an import in another of the actor's threads (ImportError: ShardedTensor)
             import etrain.core.sharded_checkpoint  # noqa: F401
+        if not resume:  # each node's shard cache starts beside the workers' build: the first step's shard is there
+            self.data.start_caches(worker_nodes(self.cfg.cluster) - preempted_nodes(), self.at.cursor)
         try:
             self.team.gather([w.info.remote() for w in self.team.workers], self.team.workers, "worker start", join_s)
             marks.append(time.time())
