@@ -19,7 +19,7 @@ from etrain.core.checkpoint import checkpoint_uri, load_latest
 from etrain.driver.api import NAMESPACE
 from etrain.driver.job import new_run_dir, train
 
-from helpers.runs import FAMILIES, FAST, records, start_driver, wait_for_step
+from helpers.runs import FAMILIES, FAST, drawn, records, start_driver, wait_for_step
 
 STEPS = ["train.steps=24", "checkpoint.every=6"]
 
@@ -39,7 +39,7 @@ def reference(make_cfg_module, module_family) -> dict[int, float]:
     return losses(run_dir)
 
 
-@pytest.mark.parametrize("victim", ["driver", "coordinator"])
+@pytest.mark.parametrize("victim", drawn(["driver", "coordinator"], 1, "killed_job"))
 def test_killed_job_resumes_exactly(make_cfg, tmp_path, victim, reference, family):
     rng = random.Random(victim)
     cfg = make_cfg(*FAST, *STEPS, *family, f"run.name={victim}")

@@ -32,7 +32,7 @@ def reference(make_cfg_module, module_family) -> Path:
     return run(make_cfg_module, "reference", *FAMILIES[module_family[0]], "train.steps=60", "train.eval_every=60")
 
 
-@pytest.mark.parametrize("kind", drawn(["kill", "hang", "kill_in_allreduce"], 2, "lost_worker"))
+@pytest.mark.parametrize("kind", drawn(["kill", "hang", "kill_in_allreduce"], 1, "lost_worker"))
 def test_lost_worker_is_replaced_and_the_step_redone(make_cfg, reference, kind, family):
     fault = "faults=[{rank: 1, step: 25, kind: " + kind + "}]"
     run_dir = run(make_cfg, f"fault-{kind}", *family, "train.steps=60", fault)
